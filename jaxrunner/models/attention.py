@@ -1,0 +1,55 @@
+"""Attention callables the model is handed (see ``models.llama.forward``).
+
+``DenseAttention`` is the cache-free reference (tests, parity); ``PagedAttention`` writes the new
+keys/values into the paged KV cache and attends through ``jaxrunner.kernels``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxrunner import kernels
+
+
+def dense_causal_attention(q, k, v, segment_ids, *, sm_scale, sliding_window=None):
+    """Causal attention over packed tokens; tokens attend only within their own segment."""
+    tokens, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    k = jnp.repeat(k, group, axis=1).astype(jnp.float32)
+    v = jnp.repeat(v, group, axis=1).astype(jnp.float32)
+    scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * sm_scale
+    idx = jnp.arange(tokens)
+    mask = (idx[None, :] <= idx[:, None]) & (segment_ids[None, :] == segment_ids[:, None])
+    if sliding_window is not None:
+        mask &= idx[:, None] - idx[None, :] < sliding_window
+    scores = jnp.where(mask[None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("hqk,khd->qhd", probs, v).astype(q.dtype)
+
+
+class DenseAttention:
+    """No cache: ``meta`` is the [T] array of segment ids (one id per sequence, tokens in order)."""
+
+    def __call__(self, q, k, v, layer_cache, segment_ids, *, sm_scale, sliding_window=None):
+        out = dense_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, sliding_window=sliding_window)
+        return out, layer_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """Write K/V into the page pool, then ragged paged attention over it.
+
+    ``layer_cache`` is ``(k_pages, v_pages)``; ``meta`` holds ``slot_mapping``, ``kv_lens``,
+    ``page_indices``, ``cu_q_lens`` and ``num_seqs`` of the step's batch.
+    """
+
+    impl: str = "auto"
+
+    def __call__(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window=None):
+        k_pages, v_pages = kernels.write_kv_pages(layer_cache[0], layer_cache[1], k, v, meta["slot_mapping"])
+        out = kernels.ragged_paged_attention(
+            q, k_pages, v_pages, meta["kv_lens"], meta["page_indices"], meta["cu_q_lens"],
+            meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl)
+        return out, (k_pages, v_pages)

@@ -1,0 +1,106 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as pure functions over a params pytree.
+
+The forward never knows how attention is done: it is handed an ``attention`` callable
+``(q, k, v, layer_cache, meta, *, sm_scale, sliding_window) -> (out, layer_cache)`` — the dense
+reference in tests, the paged kernels in the engine. Layers are unrolled in Python: on XLA:CPU a
+``scan`` over layers measured several times slower per token.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.models.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 and cast back, as transformers does."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], with Llama 3 / linear rope scaling applied (host, static)."""
+    dim = cfg.head_dim
+    # float32 throughout, as transformers computes it: angles at long positions amplify any drift.
+    exponents = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponents)).astype(np.float32)
+    scaling = cfg.rope_scaling_dict
+    if not scaling:
+        return inv_freq.astype(np.float32)
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on [T, H, D] (HF layout: first half and second half of each head pair up)."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
+    tokens = x.shape[0]
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    qkv = h @ layer["wqkv"]
+    if "bqkv" in layer:
+        qkv = qkv + layer["bqkv"]
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = apply_rope(q.reshape(tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+    k = apply_rope(k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+    v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+    out, layer_cache = attention(q, k, v, layer_cache, meta, sm_scale=cfg.head_dim ** -0.5,
+                                 sliding_window=cfg.sliding_window)
+    return x + out.reshape(tokens, cfg.q_size) @ layer["wo"], layer_cache
+
+
+def _mlp_block(layer, x, cfg: ModelConfig):
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+
+
+def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention):
+    """Run the decoder on packed tokens [T]; returns final hidden states [T, D] and the new cache.
+
+    ``kv_cache`` is a list with one entry per layer (whatever the attention callable keeps there;
+    ``None`` entries for cache-free attention).
+    """
+    x = jnp.take(params["embed"], token_ids, axis=0)
+    cos, sin = rope_tables(cfg, positions)
+    new_cache = []
+    for layer, layer_cache in zip(params["layers"], kv_cache):
+        x, layer_cache = _attention_block(layer, x, cos, sin, layer_cache, meta, cfg, attention)
+        x = _mlp_block(layer, x, cfg)
+        new_cache.append(layer_cache)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [N, V] for the hidden rows that are sampled (not every prefill token)."""
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("nd,vd->nv", hidden, params["embed"])
+    else:
+        logits = hidden @ params["lm_head"]
+    return logits.astype(jnp.float32)

