@@ -1,0 +1,78 @@
+"""The host-side state of one generation request.
+
+A ``Request`` is plain data shared by three owners, each touching its own fields:
+
+* the engine appends sampled tokens (``append_output``) and decides when it is done;
+* the scheduler moves it between WAITING and RUNNING and advances ``num_computed_tokens``;
+* the page allocator fills ``page_ids`` and ``num_cached_tokens``.
+
+Tokens only ever grow, so ``all_token_ids`` is a stable prefix over the request's life. That is
+what lets a preempted request drop its KV pages and later recompute prompt + outputs from scratch
+(or from the prefix cache).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxrunner.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"    # queued: new, or preempted and holding no pages
+    RUNNING = "running"    # holds KV pages and is scheduled step after step
+    FINISHED = "finished"  # done (stop, length, abort); its pages are released
+
+
+# eq=False: requests are compared by identity (they sit in queues; field-wise equality would be
+# both slow and wrong for two requests that happen to hold the same tokens).
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_index: int = 0  # set by the engine: the order requests came in (outputs keep it)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    # Tokens whose KV is in the cache. The next step computes from here.
+    num_computed_tokens: int = 0
+    # KV pages holding this request's tokens, in order: token i lives in page_ids[i // page_size].
+    page_ids: list[int] = field(default_factory=list)
+    # Tokens served by the prefix cache at the latest admission (not recomputed).
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    # Output cap the scheduler sizes the request by: sampling_params.max_tokens unless the engine
+    # lowers it (e.g. to what is left of max_model_len after the prompt).
+    max_tokens: int | None = None
+    seed: int | None = None  # the sampler's seed for this request, chosen by the engine
+
+    def __post_init__(self) -> None:
+        # Own the list: the caller's prompt must not change under the prefix-cache hashes.
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.max_tokens is None:
+            self.max_tokens = self.sampling_params.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a fresh list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))

@@ -1,0 +1,327 @@
+"""Continuous batching: which tokens of which requests the next step computes.
+
+Each step gets a token budget (``max_num_batched_tokens``) and at most ``max_num_seqs`` requests.
+A running request needs ``num_tokens - num_computed_tokens`` new tokens: 1 for a decode, more
+for a prompt (or a recompute) still being prefilled. The order is:
+
+1. running decodes, so generation keeps flowing while long prompts are prefilled;
+2. running requests still prefilling, in chunks that fit the budget left;
+3. waiting requests, first come first served, each starting from its cached prefix.
+
+When a running request needs a page and none is left, the most recently admitted running request
+is preempted: it drops its pages and goes back to the front of the queue with its output tokens,
+to be recomputed later (often mostly from the prefix cache). The oldest request never has to
+yield, which is why scheduling always makes progress, and ``add`` refuses requests that could not
+fit even alone.
+
+The scheduler only counts tokens. The engine appends sampled tokens, checks stop conditions and
+calls ``finish``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from jaxrunner.engine.page_allocator import PageAllocator, cdiv
+from jaxrunner.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    num_pages: int  # including the scratch page
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"SchedulerConfig.{name}={value!r}: must be at least 1")
+        if self.num_pages < 2:
+            raise ValueError(f"SchedulerConfig.num_pages={self.num_pages!r}: must be at least 2 "
+                             "(page 0 is the scratch page)")
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens ``[start, start + num_tokens)`` of ``request`` in this step.
+
+    ``sample`` is true when the chunk reaches the end of the request's known tokens, so the row of
+    its last token is sampled. It is fixed when the chunk is planned: it stays right after the
+    engine appends the sampled token.
+    """
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # preempted while planning this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class _StepBuilder:
+    """A step being planned: its chunks (one per request) and the token budget left."""
+
+    def __init__(self, token_budget: int):
+        self.token_budget = token_budget
+        self.chunks: dict[Request, ScheduledChunk] = {}  # insertion order is batch order
+        self.preempted: list[Request] = []
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.chunks[request] = ScheduledChunk(request, request.num_computed_tokens, num_tokens)
+        self.token_budget -= num_tokens
+
+    def remove(self, request: Request) -> None:
+        chunk = self.chunks.pop(request, None)
+        if chunk is not None:
+            self.token_budget += chunk.num_tokens
+
+    def build(self) -> StepPlan:
+        return StepPlan(list(self.chunks.values()), self.preempted)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None):
+        if allocator is None:
+            allocator = PageAllocator(config.num_pages, config.page_size,
+                                      config.enable_prefix_caching)
+        if (allocator.num_pages, allocator.page_size) != (config.num_pages, config.page_size):
+            raise ValueError(
+                f"allocator has {allocator.num_pages} pages of {allocator.page_size} tokens, "
+                f"config says {config.num_pages} of {config.page_size}")
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self._unfinished: dict[str, Request] = {}
+
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0      # tokens served from the cache, over all admissions
+        self.prefix_cache_queried_tokens = 0  # tokens looked up, over all admissions
+        self.last_step_num_tokens = 0
+
+    # -- requests in and out ------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; ValueError when it could never be scheduled."""
+        self._check_can_ever_run(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self._unfinished[request.request_id] = request
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark the request finished and free its pages now (its full pages stay cached)."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.allocator.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._unfinished[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish the request with reason "abort", wherever it is; None when it is unknown."""
+        request = self._unfinished.get(request_id)
+        if request is not None:
+            self.finish(request, "abort")
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._unfinished.get(request_id)
+
+    # -- planning a step ----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # pages are short: don't let newcomers take what was just freed
+            self._admit_waiting(step)
+        plan = step.build()
+        if not plan.is_empty:
+            self.num_steps += 1
+        self.last_step_num_tokens = plan.num_batched_tokens
+        return plan
+
+    def update(self, plan: StepPlan) -> None:
+        """The step ran: its chunks' tokens are computed. Register pages that became full."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted after the plan was made
+            if chunk.start != request.num_computed_tokens:
+                raise RuntimeError(f"plan for {request.request_id!r} is stale "
+                                   "(update called twice, or out of order?)")
+            request.num_computed_tokens += chunk.num_tokens
+            self.allocator.commit_full_pages(request)
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        # sorted() is stable: decodes first, each group in admission order.
+        for request in sorted(self.running, key=self._is_prefilling):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room
+            num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
+            if num_new == 0:
+                continue
+            if self._make_room(request, num_new, step):
+                self.allocator.append(request, num_new)
+                step.add(request, num_new)
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        page_size = self.config.page_size
+        while self.waiting and len(self.running) < self.config.max_num_seqs \
+                and step.token_budget > 0:
+            request = self.waiting[0]
+            cached_pages = self.allocator.find_cached_prefix(request)
+            num_cached = len(cached_pages) * page_size
+            num_new = self._chunk_size(request.num_tokens - num_cached, step.token_budget)
+            if num_new == 0 or not self.allocator.can_admit(cached_pages, num_cached + num_new):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.allocator.allocate_prefix(request, cached_pages)
+            self.allocator.append(request, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add(request, num_new)
+            self.prefix_cache_hit_tokens += num_cached
+            self.prefix_cache_queried_tokens += request.num_tokens
+
+    def _make_room(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
+        """Preempt the newest running requests until ``request`` can grow by ``num_new`` tokens.
+
+        False when ``request`` itself had to go (it was the newest one left).
+        """
+        while not self.allocator.can_append(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        """Drop the request's pages and queue it first; its outputs are kept and recomputed."""
+        step.remove(request)
+        step.preempted.append(request)
+        self.running.remove(request)
+        self.allocator.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _chunk_size(self, num_remaining: int, token_budget: int) -> int:
+        """How many of ``num_remaining`` tokens to compute now (0: wait for a later step).
+
+        Without chunked prefill all of them go in one step or none do. The one exception is the
+        recompute of a preempted request whose prompt + outputs outgrew the whole budget: it could
+        never run otherwise, so it is split like a chunked prefill.
+        """
+        chunking = (self.config.enable_chunked_prefill
+                    or num_remaining > self.config.max_num_batched_tokens)
+        if chunking:
+            return min(num_remaining, token_budget)
+        return num_remaining if num_remaining <= token_budget else 0
+
+    @staticmethod
+    def _num_new_tokens(request: Request) -> int:
+        return request.num_tokens - request.num_computed_tokens
+
+    def _is_prefilling(self, request: Request) -> bool:
+        return self._num_new_tokens(request) > 1
+
+    # -- admission checks ---------------------------------------------------------------------
+
+    def _check_can_ever_run(self, request: Request) -> None:
+        """Reject requests that could not be scheduled even with the whole engine to themselves."""
+        rid = request.request_id
+        if rid in self._unfinished:
+            raise ValueError(f"request_id={rid!r} is already queued or running")
+        if request.is_finished:
+            raise ValueError(f"request {rid!r} is already finished")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        max_model_len = self.config.max_model_len
+        if request.max_tokens < 1:
+            raise ValueError(
+                f"request {rid!r}: max_tokens={request.max_tokens} leaves nothing to generate "
+                f"(prompt {num_prompt} tokens, max_model_len={max_model_len})")
+        max_len = num_prompt + request.max_tokens
+        if max_len > max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
+                f"({request.max_tokens}) = {max_len} exceeds max_model_len={max_model_len}")
+        # The last sampled token is never fed back, so at most max_len - 1 tokens need KV.
+        pages = cdiv(max_len - 1, self.config.page_size)
+        if pages > self.allocator.num_usable_pages:
+            raise ValueError(
+                f"request {rid!r}: needs up to {pages} KV pages, the cache has "
+                f"{self.allocator.num_usable_pages}")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and num_prompt > budget:
+            raise ValueError(
+                f"request {rid!r}: prompt ({num_prompt} tokens) exceeds "
+                f"max_num_batched_tokens={budget} and chunked prefill is off")
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.allocator.num_used_pages
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when queues, statuses and pages disagree (used by tests)."""
+        self.allocator.check_invariants(owners=self.running)
+        _check(len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs")
+        for request in self.running:
+            _check(request.status is RequestStatus.RUNNING, f"{request.request_id} not RUNNING")
+        for request in self.waiting:
+            _check(request.status is RequestStatus.WAITING, f"{request.request_id} not WAITING")
+            _check(not request.page_ids, f"waiting {request.request_id} holds pages")
+            _check(request.num_computed_tokens == 0, f"waiting {request.request_id} computed")
+        queued = [*self.running, *self.waiting]
+        _check(len({id(r) for r in queued}) == len(queued), "a request is queued twice")
+        _check({r.request_id for r in queued} == set(self._unfinished),
+               "the unfinished set disagrees with the queues")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
