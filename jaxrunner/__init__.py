@@ -1,0 +1,18 @@
+"""jaxrunner: a JAX/XLA LLM inference runtime (paged KV cache, Pallas ragged paged attention,
+continuous batching, warm-up on random dummy batches)."""
+from jaxrunner.config import EngineConfig
+from jaxrunner.outputs import CompletionOutput, RequestOutput
+from jaxrunner.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):  # LLM and LLMEngine pull in JAX and transformers: import them on first use
+    if name == "LLM":
+        from jaxrunner.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from jaxrunner.engine.engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)

@@ -1,0 +1,5 @@
+import sys
+
+from jaxrunner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,183 @@
+"""The ``jaxrunner`` command: generate, chat, bench, convert, info.
+
+Errors a user can cause (a bad flag value, a missing model) print one line and exit 2; a traceback
+means a bug in jaxrunner.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from jaxrunner.config import DEFAULT_MODEL
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"alias, .gguf file, HF directory or jaxrunner checkpoint (default: {DEFAULT_MODEL})")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output, in tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
+    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "xla", "reference"],
+                        help="attention implementation (auto: pallas on GPU/TPU, xla on CPU)")
+    parser.add_argument("--verbose", action="store_true", help="log start-up details")
+
+
+def _engine_options(args) -> dict:
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
+                seed=getattr(args, "seed", 0), progress=sys.stderr.isatty())
+
+
+def _sampling(args):
+    from jaxrunner.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                          top_p=getattr(args, "top_p", 1.0))
+
+
+def cmd_generate(args) -> int:
+    from jaxrunner.llm import LLM
+
+    params = _sampling(args)  # validate flags before the model loads
+    llm = LLM(args.model, **_engine_options(args))
+    tokenizer = llm.get_tokenizer()
+    use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if use_chat else p for p in args.prompt]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs):
+        completion = output.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(completion.text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from jaxrunner.llm import LLM
+
+    params = _sampling(args)
+    llm = LLM(args.model, **_engine_options(args))
+    history: list[dict] = []
+    print("jaxrunner chat — /reset clears the conversation, /exit quits", file=sys.stderr)
+    for line in sys.stdin:
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history.clear()
+            print("(conversation cleared)", flush=True)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        for delta in llm.stream(llm.chat_prompt(history), params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print(flush=True)
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
+
+    start = time.perf_counter()
+    model = load_model(args.src, args.dtype, progress=sys.stderr.isatty())
+    source_s = time.perf_counter() - start
+    save_checkpoint(args.dst, model.params, model.hf_config, model.tokenizer)
+    start = time.perf_counter()
+    load_model(args.dst, args.dtype, progress=False)
+    converted_s = time.perf_counter() - start
+    print(f"wrote {args.dst}: load from {model.source.kind} {source_s:.2f} s, "
+          f"from the converted checkpoint {converted_s:.2f} s ({source_s / max(converted_s, 1e-9):.1f}× faster)")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import jax
+
+    from jaxrunner import __version__, kernels
+    from jaxrunner.config import EngineConfig
+
+    device = jax.devices()[0]
+    info = {"jaxrunner": __version__, "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()], "attention_impl": kernels.resolve_impl("auto", device.platform),
+            "compilation_cache_dir": EngineConfig().compilation_cache_dir}
+    for name, value in info.items():
+        print(f"{name}: {value}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    script = os.path.join(scripts, f"benchmark_{args.kind}.py")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"{script}: benchmark scripts ship with the source tree (scripts/)")
+    sys.argv = [script, *args.rest]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxrunner", description="JAX/XLA LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, token_ids)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat on stdin (streams replies; /reset, /exit)")
+    chat.add_argument("--max-tokens", type=int, default=256, help="most new tokens per reply")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    chat.add_argument("--seed", type=int, default=0, help="sampling seed")
+    _add_engine_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    conv = sub.add_parser("convert", help="write a model as a jaxrunner (orbax) checkpoint; loads faster")
+    conv.add_argument("src", help="alias, .gguf file or HF directory")
+    conv.add_argument("dst", help="output directory")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored dtype")
+    conv.set_defaults(func=cmd_convert)
+
+    info = sub.add_parser("info", help="devices, backend, attention impl, versions, cache dir")
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="run a benchmark script (throughput, latency, serving, startup)")
+    bench.add_argument("kind", choices=["throughput", "latency", "serving", "startup"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="flags passed to the script")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"jaxrunner {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""LLMEngine: the serving loop — add requests, step, abort, stream outputs.
+
+One ``step()``: the scheduler plans (host), the batch is packed at a bucket shape, the runner runs
+one precompiled executable (device), then sampled tokens are appended, detokenized and checked
+for stops, and finished requests free their pages — all in the step that finishes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+
+from jaxrunner.config import EngineConfig
+from jaxrunner.engine.detokenizer import IncrementalDetokenizer
+from jaxrunner.engine.page_allocator import PageAllocator
+from jaxrunner.engine.request import Request
+from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
+from jaxrunner.engine.startup import start_runner
+from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.outputs import CompletionOutput, RequestOutput
+from jaxrunner.runner.batch import pack_step
+from jaxrunner.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxrunner")
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """Engine-side companions of a request: its text state and what it reports."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    max_tokens: int
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+        self.config = config
+        self.model = model or load_model(config.model, config.dtype, progress=config.progress)
+        self.tokenizer = self.model.tokenizer
+        self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, self.model)
+        spec = self.runner.cache_spec
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=self.max_model_len, page_size=spec.page_size, num_pages=spec.num_pages,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            PageAllocator(spec.num_pages, spec.page_size, config.enable_prefix_caching))
+        self.eos_token_ids = self._eos_token_ids()
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = itertools.count()
+        self.tokens_per_step: list[int] = []
+
+    @classmethod
+    def from_config(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(**kwargs))
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    # ------------------------------------------------------------------ requests in
+    def _prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+        return prompt, list(self.tokenizer.encode(prompt))
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
+        request_id = str(request_id)
+        if request_id in self._tracked:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, token_ids = self._prompt_token_ids(prompt)
+        self._validate_prompt(token_ids)
+        arrival = next(self._arrivals)
+        # Unseeded requests get a seed derived from the engine's, so a run is reproducible.
+        seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & 0xFFFFFFFF
+        max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+        request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed)
+        self.scheduler.add(request)
+        self._tracked[request_id] = _Tracked(
+            request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop),
+            max_tokens, [] if params.logprobs else None)
+
+    def abort_request(self, request_id: str) -> None:
+        if self._tracked.pop(str(request_id), None) is not None:
+            self.scheduler.abort(str(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        samples = [chunk.sample for chunk in plan.chunks]
+        widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
+        bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
+        batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids)
+        sampled = self.runner.execute(bucket, batch)
+        self.scheduler.update(plan)
+        self.tokens_per_step.append(plan.num_batched_tokens)
+        outputs = []
+        for row, (chunk, sample) in enumerate(zip(plan.chunks, samples)):
+            if sample:
+                outputs.append(self._accept_token(chunk.request, sampled, row))
+        return outputs
+
+    def _accept_token(self, request: Request, sampled, row: int) -> RequestOutput:
+        tracked = self._tracked[request.request_id]
+        token = int(sampled["tokens"][row])
+        request.append_output(token)
+        text_before = len(tracked.detokenizer.text)
+        tracked.detokenizer.append(token)
+        logprob = float(sampled["logprobs"][row])
+        tracked.cumulative_logprob += logprob
+        if tracked.logprobs is not None:
+            k = request.sampling_params.logprobs
+            top = {int(t): float(v) for t, v in zip(sampled["top_ids"][row][:k], sampled["top_logprobs"][row][:k])}
+            tracked.logprobs.append({token: logprob, **top})
+        reason = self._finish_reason(tracked, token, len(tracked.detokenizer.text) - text_before)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        output = self._output(tracked, tracked.detokenizer.text[text_before:])
+        if reason is not None:
+            del self._tracked[request.request_id]
+        return output
+
+    def _finish_reason(self, tracked: _Tracked, token: int, delta_len: int) -> str | None:
+        request, params = tracked.request, tracked.request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
+                tracked.stop_reason = None if token in self.eos_token_ids else token
+                return "stop"
+            stop = tracked.detokenizer.find_stop(delta_len)
+            if stop is not None:
+                tracked.stop_reason = stop
+                return "stop"
+        if request.num_output_tokens >= tracked.max_tokens:
+            return "length"
+        return None
+
+    def _output(self, tracked: _Tracked, delta: str) -> RequestOutput:
+        request = tracked.request
+        completion = CompletionOutput(
+            index=0, text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
+            cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
+            finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
+        return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
+                             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
+                             delta_text=delta)
+
+    # ------------------------------------------------------------------ counters
+    def stats(self) -> dict:
+        allocator = self.scheduler.allocator
+        return {
+            "num_steps": len(self.tokens_per_step),
+            "tokens_per_step": list(self.tokens_per_step),
+            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "pages_in_use": allocator.num_used_pages,
+            "pages_total": self.runner.cache_spec.num_pages,
+            "num_unfinished": sum(1 for t in self._tracked.values() if not t.request.is_finished),
+            "max_pages_per_seq": math.ceil(self.max_model_len / self.runner.cache_spec.page_size),
+        }

@@ -1,0 +1,119 @@
+"""Start-up: compilation cache, KV-pool sizing, runner construction, warm-up, and the report.
+
+Order matters: the KV pool's shape is part of every executable's signature, so the pool is sized
+*before* anything is compiled; then every bucket is compiled and run once on random dummy batches.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import jax
+
+from jaxrunner.config import EngineConfig
+from jaxrunner.models.loader import LoadedModel
+from jaxrunner.runner.buckets import BucketPlan
+from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
+from jaxrunner.runner import warmup
+
+logger = logging.getLogger("jaxrunner")
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """JAX's persistent compilation cache, so a second start-up of the same config compiles less."""
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def resolve_max_model_len(config: EngineConfig, model: LoadedModel) -> int:
+    limit = model.config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    return config.max_model_len
+
+
+def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner, BucketPlan, int, dict]:
+    """Size the KV pool, build the runner, compile and warm up every bucket.
+
+    Returns (runner, bucket plan, max_model_len, start-up report).
+    """
+    t0 = time.perf_counter()
+    enable_compilation_cache(config.compilation_cache_dir)
+    max_model_len = resolve_max_model_len(config, model)
+    plan = BucketPlan.from_limits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
+                                  config.page_size, min_tokens=config.min_token_bucket)
+    logger.info("bucket plan: %s", plan.describe())
+    cfg = model.config
+    pages_per_seq = math.ceil(max_model_len / config.page_size)
+    device = jax.devices()[0]
+    budget = warmup.memory_budget(device, config.memory_utilization)
+    spec = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                       config.kv_cache_dtype or config.dtype)
+    if config.num_pages is not None:
+        warmup.check_weights_fit(budget, model.nbytes)
+        num_pages, how = config.num_pages, "num_pages given"
+    else:
+        num_pages, how = warmup.size_kv_pool(
+            budget=budget, weights_bytes=model.nbytes, activation_bytes=0, bytes_per_page=spec.bytes_per_page,
+            max_useful_pages=config.max_num_seqs * pages_per_seq + 1, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+    spec = KVCacheSpec(num_pages, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.dtype)
+    runner = ModelRunner(cfg, model.params, spec, config.attention_impl, device=device)
+    t_alloc = time.perf_counter()
+
+    key = jax.random.key(config.seed)
+    buckets = plan.buckets()
+    per_bucket = warmup.warm_up(runner, buckets, key=key, mode=config.warmup_inputs, page_size=config.page_size,
+                                vocab_size=cfg.vocab_size, max_model_len=max_model_len, progress=config.progress)
+    check_error = warmup.attention_self_check(runner.attention_impl, buckets[-1], config.page_size, cfg.num_heads,
+                                              cfg.num_kv_heads, cfg.head_dim, spec.dtype, jax.random.fold_in(key, len(buckets)))
+    t_end = time.perf_counter()
+    report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
+                     kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
+    logger.info("start-up: %d buckets compiled in %.1f s, KV pool %d pages (%d tokens, %.1f MiB), attention %s",
+                len(buckets), report["compile_s_total"], num_pages, report["kv_tokens"],
+                spec.nbytes / 2**20, runner.attention_impl)
+    return runner, plan, max_model_len, report
+
+
+def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, *, kv_alloc_s,
+            warmup_s) -> dict:
+    spec = runner.cache_spec
+    usable_tokens = (spec.num_pages - 1) * spec.page_size
+    temps = [b.get("temp_bytes", 0) for b in per_bucket.values()]
+    return {
+        "model": model.source.path,
+        "load_s": model.load_seconds,
+        "weights_bytes": model.nbytes,
+        "num_params": model.num_params,
+        "dtype": config.dtype,
+        "device": str(runner.device),
+        "platform": runner.device.platform,
+        "attention_impl": runner.attention_impl,
+        "bucket_plan": plan.describe(),
+        "buckets": per_bucket,
+        "compile_s_total": sum(b["compile_s"] for b in per_bucket.values()),
+        "warmup_s": warmup_s,
+        "kv_alloc_s": kv_alloc_s,
+        "warmup_inputs": config.warmup_inputs,
+        "peak_activation_bytes": max(temps, default=0),
+        "memory_budget_bytes": budget.budget_bytes,
+        "memory_budget_source": budget.source,
+        "kv_pages": spec.num_pages,
+        "kv_page_size": spec.page_size,
+        "kv_tokens": usable_tokens,
+        "kv_bytes": spec.nbytes,
+        "kv_sizing": how,
+        "max_model_len": max_model_len,
+        "max_concurrency_at_max_model_len": usable_tokens / max_model_len,
+        "attention_self_check_max_abs_error": check_error,
+        "compilation_cache_dir": config.compilation_cache_dir,
+    }

@@ -1,0 +1,121 @@
+"""LLM: the vLLM-shaped front door (``generate``, ``chat``, ``stream``) over one LLMEngine."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterator, Sequence
+
+from jaxrunner.config import DEFAULT_MODEL, EngineConfig
+from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.outputs import RequestOutput
+from jaxrunner.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model, warm it up, and serve batches of prompts.
+
+    >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def startup_report(self) -> dict:
+        return self.engine.startup_report
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ batch generation
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Serve every prompt to completion; outputs come back in the order of ``prompts``."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        groups = []  # per prompt: (request ids of its n samples)
+        for prompt, sp in zip(prompts, params):
+            base = str(next(self._ids))
+            samples = [sp] if sp.n == 1 else [_sample_params(sp, i) for i in range(sp.n)]
+            ids = [base] if sp.n == 1 else [f"{base}#{i}" for i in range(sp.n)]
+            for request_id, child in zip(ids, samples):
+                self.engine.add_request(request_id, prompt, child)
+            groups.append(ids)
+        finished = self._run_to_completion(sum(len(g) for g in groups), use_tqdm)
+        return [self._merge([finished[i] for i in ids]) for ids in groups]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.chat_prompt(c, add_generation_prompt) for c in conversations],
+                             sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text as it is generated for one prompt (other queued requests keep being served)."""
+        request_id = f"stream-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, sampling_params)
+        try:
+            while True:
+                outputs = {o.request_id: o for o in self.engine.step()}
+                mine = outputs.get(request_id)
+                if mine is not None:
+                    if mine.delta_text:
+                        yield mine.delta_text
+                    if mine.finished:
+                        return
+                elif not self.engine.has_unfinished_requests():
+                    return
+        finally:
+            self.engine.abort_request(request_id)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+        return params
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return finished
+
+    @staticmethod
+    def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+        """One RequestOutput per prompt; n samples become outputs[0..n-1]."""
+        first = outputs[0]
+        if len(outputs) == 1:
+            return first
+        completions = []
+        for index, output in enumerate(outputs):
+            completion = output.outputs[0]
+            completion.index = index
+            completions.append(completion)
+        return RequestOutput(first.request_id.split("#")[0], first.prompt, first.prompt_token_ids, completions,
+                             finished=True, num_cached_tokens=first.num_cached_tokens)
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: its own request, its own seed (seed + i when the user fixed one)."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

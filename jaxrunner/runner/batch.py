@@ -1,0 +1,93 @@
+"""StepPlan (host objects) → one padded batch of numpy arrays at a bucket's shape.
+
+The batch is the only thing the jitted step sees. Padding is inert by construction: padded tokens
+write their K/V into the scratch page, padded sequences have no query rows and ``kv_len`` 0, and
+page-table entries past a sequence's pages point at the scratch page.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrunner.runner.buckets import Bucket
+from jaxrunner.runner.sampler import NO_TOKEN
+
+SCRATCH_PAGE = 0
+MAX_BANNED_TOKENS = 16  # EOS + stop_token_ids suppressed while min_tokens is not reached
+
+
+def empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
+    """A batch of the bucket's shape with nothing in it (every row padding)."""
+    t, s, w = bucket.num_tokens, bucket.num_seqs, bucket.num_pages
+    return {
+        "token_ids": np.zeros(t, np.int32),
+        "positions": np.zeros(t, np.int32),
+        "slot_mapping": np.full(t, SCRATCH_PAGE * page_size, np.int32),
+        "page_indices": np.full((s, w), SCRATCH_PAGE, np.int32),
+        "cu_q_lens": np.zeros(s + 1, np.int32),
+        "kv_lens": np.zeros(s, np.int32),
+        "num_seqs": np.zeros((), np.int32),
+        "logits_indices": np.zeros(s, np.int32),
+        "sampling": {
+            "temperature": np.zeros(s, np.float32),
+            "top_k": np.zeros(s, np.int32),
+            "top_p": np.ones(s, np.float32),
+            "min_p": np.zeros(s, np.float32),
+            "repetition_penalty": np.ones(s, np.float32),
+            "presence_penalty": np.zeros(s, np.float32),
+            "frequency_penalty": np.zeros(s, np.float32),
+            "seeds": np.zeros(s, np.uint32),
+            "positions": np.zeros(s, np.int32),
+            "history": np.full((s, w * page_size), NO_TOKEN, np.int32),
+            "prompt_lens": np.zeros(s, np.int32),
+            "banned": np.full((s, MAX_BANNED_TOKENS), NO_TOKEN, np.int32),
+            "num_logprobs": np.zeros(s, np.int32),
+        },
+    }
+
+
+def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
+    sp = request.sampling_params
+    sampling["temperature"][row] = sp.temperature if not sp.greedy else 0.0
+    sampling["top_k"][row] = max(sp.top_k, 0)
+    sampling["top_p"][row] = sp.top_p
+    sampling["min_p"][row] = sp.min_p
+    sampling["repetition_penalty"][row] = sp.repetition_penalty
+    sampling["presence_penalty"][row] = sp.presence_penalty
+    sampling["frequency_penalty"][row] = sp.frequency_penalty
+    sampling["seeds"][row] = request.seed % (1 << 32)
+    sampling["positions"][row] = request.num_tokens
+    sampling["prompt_lens"][row] = request.num_prompt_tokens
+    sampling["num_logprobs"][row] = sp.logprobs or 0
+    if sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
+        history = request.all_token_ids
+        sampling["history"][row, :len(history)] = history
+    if len(request.output_token_ids) < sp.min_tokens:
+        banned = list(sp.stop_token_ids or [])
+        if not sp.ignore_eos:
+            banned += list(eos_token_ids)
+        banned = banned[:MAX_BANNED_TOKENS]
+        sampling["banned"][row, :len(banned)] = banned
+
+
+def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=()) -> dict[str, np.ndarray]:
+    """Lay out the scheduled chunks (decodes and prefill chunks alike) back to back."""
+    batch = empty_batch(bucket, page_size)
+    cursor = 0
+    for row, chunk in enumerate(chunks):
+        request, start, count = chunk.request, chunk.start, chunk.num_tokens
+        stop = start + count
+        positions = np.arange(start, stop, dtype=np.int32)
+        pages = np.asarray(request.page_ids, np.int32)
+        batch["token_ids"][cursor:cursor + count] = request.all_token_ids[start:stop]
+        batch["positions"][cursor:cursor + count] = positions
+        batch["slot_mapping"][cursor:cursor + count] = pages[positions // page_size] * page_size + positions % page_size
+        batch["page_indices"][row, :len(pages)] = pages
+        batch["kv_lens"][row] = stop
+        cursor += count
+        batch["cu_q_lens"][row + 1] = cursor
+        batch["logits_indices"][row] = cursor - 1
+        if chunk.sample:
+            _fill_sampling(batch["sampling"], row, request, eos_token_ids)
+    batch["cu_q_lens"][len(chunks) + 1:] = cursor
+    batch["num_seqs"][...] = len(chunks)
+    return batch

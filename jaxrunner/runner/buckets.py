@@ -1,0 +1,82 @@
+"""The finite set of step shapes: token buckets × sequence buckets × page-table-width buckets.
+
+Every step is padded up to one bucket, so only these shapes are ever compiled (all of them during
+warm-up). The spacing trades padding waste against compile count:
+
+* tokens ×2 (16 … max_num_batched_tokens): matmul cost grows with padded tokens, so keep waste < 2×;
+* sequences ×4 (1, 4, 16, … max_num_seqs): padded sequences only cost sampler rows and empty
+  attention blocks;
+* page-table width ×4 (… max pages per sequence): the XLA attention path gathers W pages per
+  sequence, so short contexts should not pay for ``max_model_len``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    num_tokens: int
+    num_seqs: int
+    num_pages: int  # page-table width W
+
+    def __str__(self) -> str:
+        return f"T{self.num_tokens}xS{self.num_seqs}xW{self.num_pages}"
+
+
+def _geometric(smallest: int, largest: int, ratio: int) -> tuple[int, ...]:
+    """smallest, smallest*ratio, ... capped by largest, which is always included."""
+    values, v = [], max(1, min(smallest, largest))
+    while v < largest:
+        values.append(v)
+        v *= ratio
+    values.append(largest)
+    return tuple(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    page_buckets: tuple[int, ...]
+
+    @classmethod
+    def from_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                    page_size: int, min_tokens: int = 16, min_pages: int = 2) -> "BucketPlan":
+        max_pages = math.ceil(max_model_len / page_size)
+        pages = sorted({max_pages} | {p for p in _reverse_geometric(max_pages, 4) if p >= min_pages})
+        return cls(token_buckets=_geometric(min_tokens, max_num_batched_tokens, 2),
+                   seq_buckets=_geometric(1, max_num_seqs, 4),
+                   page_buckets=tuple(pages))
+
+    def buckets(self) -> list[Bucket]:
+        """Every shape warm-up compiles (a step never has more sequences than tokens)."""
+        return [Bucket(t, s, w) for t in self.token_buckets for s in self.seq_buckets
+                for w in self.page_buckets if s <= t]
+
+    def select(self, num_tokens: int, num_seqs: int, num_pages: int) -> Bucket:
+        """The smallest bucket holding a step of this size."""
+        t = _smallest_at_least(self.token_buckets, num_tokens, "tokens")
+        s = _smallest_at_least([b for b in self.seq_buckets if b <= t], num_seqs, "sequences")
+        w = _smallest_at_least(self.page_buckets, num_pages, "pages per sequence")
+        return Bucket(t, s, w)
+
+    def describe(self) -> str:
+        return (f"{len(self.buckets())} buckets: tokens {list(self.token_buckets)} × seqs "
+                f"{list(self.seq_buckets)} × page-table width {list(self.page_buckets)}")
+
+
+def _reverse_geometric(largest: int, ratio: int) -> list[int]:
+    values, v = [], largest
+    while v >= 1:
+        values.append(v)
+        v //= ratio
+    return values
+
+
+def _smallest_at_least(options, needed: int, what: str) -> int:
+    for option in sorted(options):
+        if option >= needed:
+            return option
+    raise ValueError(f"a step of {needed} {what} exceeds the largest bucket ({max(options)})")

@@ -1,0 +1,103 @@
+"""The functional model step and the object that holds its device state between steps.
+
+``model_step(params, kv_cache, batch) -> (sampled, kv_cache)`` is pure and jitted once per bucket
+shape with the cache donated, so XLA updates the page pool in place. ``ModelRunner`` only keeps the
+current params/cache references and turns numpy batches into one device call and one device→host
+copy per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner import kernels
+from jaxrunner.models import llama
+from jaxrunner.models.attention import PagedAttention
+from jaxrunner.models.config import ModelConfig
+from jaxrunner.runner import sampler
+
+
+def model_step(params, kv_cache, batch, *, cfg: ModelConfig, attention):
+    """Forward the packed tokens, take each sequence's last row, sample one token per sequence."""
+    hidden, kv_cache = llama.forward(params, cfg, batch["token_ids"], batch["positions"], kv_cache, batch,
+                                     attention)
+    logits = llama.compute_logits(params, cfg, jnp.take(hidden, batch["logits_indices"], axis=0))
+    return sampler.sample(logits, batch["sampling"]), kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    num_pages: int
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    def allocate(self, device=None):
+        """One (k_pages, v_pages) pair per layer, zero-filled, on ``device``."""
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        make = functools.partial(jnp.zeros, shape, jnp.dtype(self.dtype), device=device)
+        return [(make(), make()) for _ in range(self.num_layers)]
+
+
+class ModelRunner:
+    """Owns params and the KV cache on one device; runs packed batches through per-bucket executables.
+
+    Executables are compiled ahead of time (``compile``), one per bucket, during warm-up; ``execute``
+    only dispatches to them. A bucket that was not compiled is an error, never a silent compile in
+    the serving loop.
+    """
+
+    def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
+                 device=None):
+        self.cfg = cfg
+        self.params = params
+        self.cache_spec = cache_spec
+        self.device = device or jax.devices()[0]
+        self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform)
+        step = functools.partial(model_step, cfg=cfg, attention=PagedAttention(self.attention_impl))
+        self._jitted_step = jax.jit(step, donate_argnums=(1,))
+        self._executables: dict = {}
+        self.kv_cache = cache_spec.allocate(self.device)
+
+    def lower(self, batch):
+        return self._jitted_step.lower(self.params, self.kv_cache, batch)
+
+    def compile(self, bucket, batch) -> dict:
+        """Compile the executable for ``bucket``; returns seconds and XLA's memory analysis."""
+        start = time.perf_counter()
+        compiled = self.lower(batch).compile()
+        self._executables[bucket] = compiled
+        info = {"compile_s": time.perf_counter() - start}
+        analysis = compiled.memory_analysis()
+        if analysis is not None:
+            info.update(temp_bytes=int(analysis.temp_size_in_bytes),
+                        argument_bytes=int(analysis.argument_size_in_bytes),
+                        output_bytes=int(analysis.output_size_in_bytes))
+        return info
+
+    @property
+    def compiled_buckets(self) -> list:
+        return sorted(self._executables)
+
+    def execute(self, bucket, batch) -> dict[str, np.ndarray]:
+        """Run one step on a packed numpy batch; the only device→host copy is the sampled output."""
+        executable = self._executables.get(bucket)
+        if executable is None:
+            raise RuntimeError(f"bucket {bucket} was not compiled at warm-up")
+        sampled, self.kv_cache = executable(self.params, self.kv_cache, batch)
+        return jax.device_get(sampled)

@@ -1,0 +1,222 @@
+"""Warm-up on randomized dummy batches, memory profiling, and KV-pool sizing.
+
+Why random and not zeros: zero token ids, zero positions and all-scratch page tables take different
+paths in data-dependent code (dynamic int8 activation scales of zero, sampler branches that never
+run, gathers that read only page 0) and hide wrong indexing — a bad gather of zeros still looks like
+zeros. Every dummy batch here is drawn from one seeded ``jax.random`` key, so warm-up is
+reproducible, and it has exactly the shapes, dtypes and pytree structure serving uses, so nothing
+compiles after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner import kernels
+from jaxrunner.runner.batch import MAX_BANNED_TOKENS, SCRATCH_PAGE, empty_batch
+from jaxrunner.runner.buckets import Bucket
+
+CPU_DEFAULT_KV_FRACTION = 0.25   # of available host RAM, when no accelerator reports its memory
+CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
+SAFETY_MARGIN_FRACTION = 0.05
+
+
+class StartupError(RuntimeError):
+    """Start-up cannot go on: memory budget exceeded, or the warm-up self-check failed."""
+
+
+# ----------------------------------------------------------------------------- dummy batches
+def _split_tokens(rng: np.random.Generator, num_tokens: int, num_seqs: int) -> np.ndarray:
+    """Random query lengths: a mix of decodes (1 token) and prefill chunks summing to <= num_tokens."""
+    is_decode = rng.random(num_seqs) < 0.5
+    q_lens = np.ones(num_seqs, np.int64)
+    prefill = np.flatnonzero(~is_decode)
+    spare = num_tokens - num_seqs
+    if len(prefill) and spare > 0:
+        extra = rng.multinomial(rng.integers(0, spare + 1), np.full(len(prefill), 1 / len(prefill)))
+        q_lens[prefill] += extra
+    return q_lens
+
+
+def _fill_random_sampling(rng: np.random.Generator, sampling: dict, num_seqs: int, vocab: int) -> None:
+    """Random per-row sampling parameters; each feature is on for the whole batch or not, so that
+    across buckets both sides of every ``lax.cond`` in the sampler execute."""
+    on = lambda: rng.random() < 0.5  # noqa: E731
+    rows = slice(0, num_seqs)
+    sampling["temperature"][rows] = np.where(rng.random(num_seqs) < 0.5, 0.0, rng.uniform(0.3, 1.5, num_seqs))
+    sampling["seeds"][rows] = rng.integers(0, 2**32, num_seqs, dtype=np.uint64).astype(np.uint32)
+    if on():
+        sampling["top_k"][rows] = rng.integers(0, 64, num_seqs)
+        sampling["top_p"][rows] = rng.uniform(0.3, 1.0, num_seqs)
+        sampling["min_p"][rows] = np.where(rng.random(num_seqs) < 0.5, 0.0, rng.uniform(0, 0.2, num_seqs))
+    if on():
+        sampling["repetition_penalty"][rows] = rng.uniform(0.8, 1.5, num_seqs)
+        sampling["presence_penalty"][rows] = rng.uniform(-1, 1, num_seqs)
+        sampling["frequency_penalty"][rows] = rng.uniform(-1, 1, num_seqs)
+        history = sampling["history"]
+        history[rows] = rng.integers(0, vocab, (num_seqs, history.shape[1]))
+    if on():
+        sampling["banned"][rows, : MAX_BANNED_TOKENS // 2] = rng.integers(0, vocab, (num_seqs, MAX_BANNED_TOKENS // 2))
+    if on():
+        sampling["num_logprobs"][rows] = rng.integers(0, 21, num_seqs)
+
+
+def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
+                       max_model_len: int) -> dict:
+    """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring)."""
+    seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
+    rng = np.random.default_rng(seed)
+    batch = empty_batch(bucket, page_size)
+    num_seqs = int(rng.integers(1, bucket.num_seqs + 1))
+    q_lens = _split_tokens(rng, bucket.num_tokens, num_seqs)
+    max_len = min(max_model_len, bucket.num_pages * page_size)
+    cursor = 0
+    for s, q_len in enumerate(q_lens):
+        q_len = int(min(q_len, max_len))
+        kv_len = int(rng.integers(q_len, max_len + 1))
+        pages = rng.choice(np.arange(1, num_pages), size=math.ceil(kv_len / page_size), replace=False)
+        positions = np.arange(kv_len - q_len, kv_len)
+        rows = slice(cursor, cursor + q_len)
+        batch["token_ids"][rows] = rng.integers(0, vocab_size, q_len)
+        batch["positions"][rows] = positions
+        batch["slot_mapping"][rows] = pages[positions // page_size] * page_size + positions % page_size
+        batch["page_indices"][s, : len(pages)] = pages
+        batch["kv_lens"][s] = kv_len
+        cursor += q_len
+        batch["cu_q_lens"][s + 1] = cursor
+        batch["logits_indices"][s] = cursor - 1
+        batch["sampling"]["positions"][s] = kv_len
+        batch["sampling"]["prompt_lens"][s] = int(rng.integers(1, kv_len + 1))
+    batch["cu_q_lens"][num_seqs + 1:] = cursor
+    batch["num_seqs"][...] = num_seqs
+    _fill_random_sampling(rng, batch["sampling"], num_seqs, vocab_size)
+    return batch
+
+
+def zeros_dummy_batch(bucket: Bucket, page_size: int) -> dict:
+    """The zero-filled batch (for comparison only): same shapes, so the same executables."""
+    batch = empty_batch(bucket, page_size)
+    batch["num_seqs"][...] = bucket.num_seqs
+    return batch
+
+
+# ----------------------------------------------------------------------------- KV sizing
+def available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclasses.dataclass
+class MemoryBudget:
+    device_bytes: int | None   # what the device reports (None on CPU)
+    budget_bytes: int          # what jaxrunner may use in all
+    source: str                # where the budget came from
+
+
+def memory_budget(device, memory_utilization: float) -> MemoryBudget:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        limit = int(stats["bytes_limit"])
+        return MemoryBudget(limit, int(limit * memory_utilization), "device.memory_stats()['bytes_limit']")
+    host = available_host_bytes()
+    return MemoryBudget(None, int(host * memory_utilization), "available host RAM (CPU reports no memory stats)")
+
+
+def check_weights_fit(budget: MemoryBudget, weights_bytes: int) -> None:
+    if weights_bytes > budget.budget_bytes:
+        raise StartupError(
+            f"the weights alone ({weights_bytes / 2**20:.1f} MiB) exceed the memory budget "
+            f"({budget.budget_bytes / 2**20:.1f} MiB from {budget.source}) by "
+            f"{(weights_bytes - budget.budget_bytes) / 2**20:.1f} MiB")
+
+
+def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: int, bytes_per_page: int,
+                 max_useful_pages: int, kv_cache_memory_bytes: int | None) -> tuple[int, str]:
+    """Number of KV pages, and a sentence saying how it was chosen."""
+    check_weights_fit(budget, weights_bytes)
+    if kv_cache_memory_bytes is not None:
+        kv_bytes, how = kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif budget.device_bytes is not None:
+        margin = int(SAFETY_MARGIN_FRACTION * budget.device_bytes)
+        kv_bytes = budget.budget_bytes - weights_bytes - activation_bytes - margin
+        how = "memory_utilization × device memory − weights − peak activations − margin"
+    else:
+        kv_bytes = min(int(CPU_DEFAULT_KV_FRACTION * (budget.budget_bytes - weights_bytes)), CPU_DEFAULT_KV_CAP_BYTES)
+        how = f"{CPU_DEFAULT_KV_FRACTION:.0%} of the host budget left after weights (cap 4 GiB)"
+    pages = min(kv_bytes // bytes_per_page, max_useful_pages)
+    if pages < 2:
+        raise StartupError(f"no room for the KV cache: {kv_bytes / 2**20:.1f} MiB left ({how}), "
+                           f"{bytes_per_page / 2**20:.2f} MiB per page")
+    if pages == max_useful_pages:
+        how += f", capped at max_num_seqs × pages per sequence + scratch ({max_useful_pages})"
+    return int(pages), how
+
+
+# ----------------------------------------------------------------------------- self-check
+def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int,
+                         head_dim: int, dtype, key: jax.Array) -> float:
+    """Compare the serving attention impl with the reference on a random case of ``bucket``'s shape.
+
+    Catches a kernel that miscompiles on new hardware before any request sees it. Returns the max
+    abs difference (raises StartupError when it is too large).
+    """
+    dummy = random_dummy_batch(key, bucket, page_size, bucket.num_seqs * bucket.num_pages + 1, 64, 1 << 30)
+    num_pages = bucket.num_seqs * bucket.num_pages + 1
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (bucket.num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
+    pool_shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_pages = jax.random.normal(k2, pool_shape, jnp.float32).astype(dtype)
+    v_pages = jax.random.normal(k3, pool_shape, jnp.float32).astype(dtype)
+    args = (q, k_pages, v_pages, dummy["kv_lens"], dummy["page_indices"], dummy["cu_q_lens"], dummy["num_seqs"])
+    outs = {}
+    for name in (impl, "reference"):
+        fn = jax.jit(lambda *a, name=name: kernels.ragged_paged_attention(*a, sm_scale=head_dim ** -0.5, impl=name))
+        outs[name] = np.asarray(fn(*args), np.float32)[: int(dummy["cu_q_lens"][-1])]
+    error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
+    tolerance = 1e-3 if jnp.dtype(dtype) == jnp.float32 else 5e-2
+    if not np.isfinite(error) or error > tolerance:
+        raise StartupError(f"attention self-check failed: impl {impl!r} differs from the reference by "
+                           f"{error:.3g} (tolerance {tolerance}) on bucket {bucket}")
+    return error
+
+
+# ----------------------------------------------------------------------------- warm-up
+def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_size: int, vocab_size: int,
+            max_model_len: int, progress: bool = False) -> dict:
+    """Compile and execute every bucket once on a dummy batch; check outputs are finite.
+
+    Returns per-bucket compile/run seconds and XLA's memory analysis.
+    """
+    from tqdm.auto import tqdm
+
+    per_bucket = {}
+    for index, bucket in enumerate(tqdm(buckets, desc="warm-up", disable=not progress)):
+        if mode == "random":
+            batch = random_dummy_batch(jax.random.fold_in(key, index), bucket, page_size,
+                                       runner.cache_spec.num_pages, vocab_size, max_model_len)
+        else:
+            batch = zeros_dummy_batch(bucket, page_size)
+        info = runner.compile(bucket, batch)
+        start = time.perf_counter()
+        sampled = runner.execute(bucket, batch)
+        info["run_s"] = time.perf_counter() - start
+        live = int(batch["num_seqs"])
+        for name in ("tokens", "logprobs"):
+            values = np.asarray(sampled[name])[:live]
+            bad = ~np.isfinite(values) if values.dtype.kind == "f" else (values < 0) | (values >= vocab_size)
+            if mode == "random" and np.any(bad):
+                raise StartupError(f"warm-up self-check: bucket {bucket} produced invalid {name}: {values}")
+        per_bucket[str(bucket)] = info
+    return per_bucket
