@@ -80,7 +80,8 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     for s, q_len in enumerate(q_lens):
         q_len = int(min(q_len, max_len))
         kv_len = int(rng.integers(q_len, max_len + 1))
-        pages = rng.choice(np.arange(1, num_pages), size=math.ceil(kv_len / page_size), replace=False)
+        needed = math.ceil(kv_len / page_size)  # a small pool may repeat pages: still valid, never scratch
+        pages = rng.choice(np.arange(1, num_pages), size=needed, replace=needed > num_pages - 1)
         positions = np.arange(kv_len - q_len, kv_len)
         rows = slice(cursor, cursor + q_len)
         batch["token_ids"][rows] = rng.integers(0, vocab_size, q_len)
