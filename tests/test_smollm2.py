@@ -1,0 +1,59 @@
+"""The embedded SmolLM2-135M-Instruct (Q4_1 GGUF) through the full engine against transformers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import requires_smollm2, smollm2_gguf_path
+from engine_helpers import COMPILE_CACHE
+from jaxrunner import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, requires_smollm2]
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain what a CPU does in one sentence.",
+    "Give me a synonym for happy.",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM("smollm2-135m-instruct", dtype="float32", max_num_seqs=8, max_num_batched_tokens=128,
+               max_model_len=256, compilation_cache_dir=COMPILE_CACHE, progress=False)
+
+
+def test_greedy_chat_matches_transformers_token_for_token(smollm2):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    prompts = [smollm2.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    ours = smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+
+    path = smollm2_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                              dtype=torch.float32)
+    eos = smollm2.get_tokenizer().eos_token_id
+    for prompt, output in zip(prompts, ours):
+        ids = torch.tensor(prompt["prompt_token_ids"])[None]
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+        if eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+        assert output.outputs[0].token_ids == expected, prompt["prompt"]
+    assert "Paris" in ours[0].outputs[0].text
+
+
+def test_startup_report_describes_the_pool(smollm2):
+    report = smollm2.startup_report
+    spec = smollm2.engine.runner.cache_spec
+    k_pages = smollm2.engine.runner.kv_cache[0][0]
+    assert report["kv_pages"] == spec.num_pages == k_pages.shape[0]
+    assert report["kv_bytes"] == spec.nbytes
+    assert report["attention_impl"] in ("xla", "pallas", "reference")
+    assert report["num_params"] > 130e6 and report["weights_bytes"] > 500e6
+    assert report["compile_s_total"] > 0 and len(report["buckets"]) == len(smollm2.engine.bucket_plan.buckets())
