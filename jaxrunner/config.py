@@ -24,6 +24,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
     warmup_inputs: str = "random"           # random | zeros
+    quantization: str | None = None         # None | "int8" (weights and per-token activations)
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
             "JAXRUNNER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner", "xla")))
@@ -41,6 +42,7 @@ class EngineConfig:
             ("attention_impl", self.attention_impl in ("auto", "pallas", "xla", "reference")),
             ("memory_utilization", 0.0 < self.memory_utilization <= 1.0),
             ("warmup_inputs", self.warmup_inputs in ("random", "zeros")),
+            ("quantization", self.quantization in (None, "int8")),
         ]
         for name, ok in checks:
             if not ok:

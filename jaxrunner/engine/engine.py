@@ -18,6 +18,7 @@ from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
 from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
         self.config = config
         self.model = model or load_model(config.model, config.dtype, progress=config.progress)
+        if config.quantization == "int8":
+            self.model.params = quantize_params_int8(self.model.params)
         self.tokenizer = self.model.tokenizer
         self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, self.model)
         spec = self.runner.cache_spec

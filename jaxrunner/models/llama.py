@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.models.quant import linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -63,7 +64,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
     tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = h @ layer["wqkv"]
+    qkv = linear(h, layer["wqkv"])
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -72,13 +73,13 @@ def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, at
     v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
     out, layer_cache = attention(q, k, v, layer_cache, meta, sm_scale=cfg.head_dim ** -0.5,
                                  sliding_window=cfg.sliding_window)
-    return x + out.reshape(tokens, cfg.q_size) @ layer["wo"], layer_cache
+    return x + linear(out.reshape(tokens, cfg.q_size), layer["wo"]), layer_cache
 
 
 def _mlp_block(layer, x, cfg: ModelConfig):
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
-    return x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+    gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
+    return x + linear(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention):

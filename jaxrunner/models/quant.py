@@ -1,0 +1,52 @@
+"""Weight-and-activation int8 for the linear layers (``quantization="int8"``).
+
+Weights: per-output-channel symmetric int8 (scale = max|w| / 127 over the input dim).
+Activations: per-token dynamic scales computed from the data at every step (scale = max|x| / 127
+over the hidden dim). This is the data-dependent path that warm-up must exercise with real-looking
+inputs: on an all-zero row the raw scale is 0 and ``x / scale`` is 0/0 = NaN, so the scale is
+guarded with a floor (``MIN_ACTIVATION_SCALE``) and a zero row quantizes to exact zeros.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MIN_ACTIVATION_SCALE = 1e-12
+QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def quantize_weight(w: jax.Array) -> dict[str, jax.Array]:
+    """[in, out] float weight -> {"q": int8 [in, out], "scale": float32 [out]}."""
+    w32 = w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w32), axis=0) / 127.0
+    q = jnp.round(w32 / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
+    return {"q": q, "scale": scale}
+
+
+def quantize_activations(x: jax.Array, guard: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Per-token int8 activations and their scales; ``guard=False`` shows the unguarded 0/0."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
+    if guard:
+        scale = jnp.maximum(scale, MIN_ACTIVATION_SCALE)
+    return jnp.round(x32 / scale).astype(jnp.int8), scale
+
+
+def int8_matmul(x: jax.Array, w: dict[str, jax.Array], guard: bool = True) -> jax.Array:
+    x_q, x_scale = quantize_activations(x, guard)
+    acc = jax.lax.dot_general(x_q, w["q"], (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * x_scale * w["scale"]).astype(x.dtype)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """``x @ w`` for a float weight, the int8 path for a quantized one."""
+    if isinstance(w, dict):
+        return int8_matmul(x, w)
+    return x @ w
+
+
+def quantize_params_int8(params: dict) -> dict:
+    """Quantize every linear layer's weight; embeddings, norms and the LM head stay as they are."""
+    layers = [{name: quantize_weight(value) if name in QUANTIZED_WEIGHTS else value for name, value in layer.items()}
+              for layer in params["layers"]]
+    return {**params, "layers": layers}
