@@ -50,15 +50,19 @@ class BucketPlan:
                    seq_buckets=_geometric(1, max_num_seqs, 4),
                    page_buckets=tuple(pages))
 
+    def seqs_for(self, num_tokens: int) -> tuple[int, ...]:
+        """Sequence buckets under a token bucket: a step never has more sequences than tokens."""
+        return tuple(sorted({s for s in self.seq_buckets if s < num_tokens} |
+                            {min(num_tokens, max(self.seq_buckets))}))
+
     def buckets(self) -> list[Bucket]:
-        """Every shape warm-up compiles (a step never has more sequences than tokens)."""
-        return [Bucket(t, s, w) for t in self.token_buckets for s in self.seq_buckets
-                for w in self.page_buckets if s <= t]
+        """Every shape warm-up compiles."""
+        return [Bucket(t, s, w) for t in self.token_buckets for s in self.seqs_for(t) for w in self.page_buckets]
 
     def select(self, num_tokens: int, num_seqs: int, num_pages: int) -> Bucket:
         """The smallest bucket holding a step of this size."""
         t = _smallest_at_least(self.token_buckets, num_tokens, "tokens")
-        s = _smallest_at_least([b for b in self.seq_buckets if b <= t], num_seqs, "sequences")
+        s = _smallest_at_least(self.seqs_for(t), num_seqs, "sequences")
         w = _smallest_at_least(self.page_buckets, num_pages, "pages per sequence")
         return Bucket(t, s, w)
 

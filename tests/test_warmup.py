@@ -1,0 +1,90 @@
+"""Warm-up on randomized dummy batches, KV-pool sizing and the start-up report."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from engine_helpers import count_compilations, make_llm
+from jaxrunner.runner.buckets import Bucket, BucketPlan
+from jaxrunner.runner.warmup import (MemoryBudget, StartupError, random_dummy_batch, size_kv_pool,
+                                     zeros_dummy_batch)
+
+BUCKET = Bucket(64, 8, 16)
+
+
+def _dummy(seed: int) -> dict:
+    return random_dummy_batch(jax.random.key(seed), BUCKET, 8, 96, 512, 128)
+
+
+def _leaves(batch) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(batch)]
+
+
+def test_dummy_batches_reproducible_and_seed_dependent():
+    a, b, c = _dummy(0), _dummy(0), _dummy(1)
+    assert all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+    assert not all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(c)))
+
+
+def test_dummy_batches_are_valid_and_never_touch_the_scratch_page():
+    for seed in range(20):
+        batch = _dummy(seed)
+        n = int(batch["num_seqs"])
+        cu, kv = batch["cu_q_lens"], batch["kv_lens"]
+        assert 1 <= n <= BUCKET.num_seqs and cu[n] <= BUCKET.num_tokens
+        assert np.all(np.diff(cu) >= 0) and np.all(kv[:n] >= np.diff(cu)[:n])
+        for s in range(n):
+            live_pages = batch["page_indices"][s, : -(-int(kv[s]) // 8)]
+            assert np.all(live_pages > 0)  # page 0 is the scratch page
+        live_slots = batch["slot_mapping"][: cu[n]]
+        assert np.all(live_slots >= 8)
+        assert np.any(batch["token_ids"][: cu[n]] != 0)
+
+
+def test_random_and_zero_batches_lower_to_the_same_program(tiny_checkpoints):
+    llm = make_llm(tiny_checkpoints["llama"])
+    runner = llm.engine.runner
+    bucket = llm.engine.bucket_plan.buckets()[-1]
+    random_batch = random_dummy_batch(jax.random.key(3), bucket, 8, runner.cache_spec.num_pages, 512, 128)
+    assert runner.lower(random_batch).as_text() == runner.lower(zeros_dummy_batch(bucket, 8)).as_text()
+
+
+def test_startup_report_matches_what_was_allocated(tiny_checkpoints):
+    llm = make_llm(tiny_checkpoints["llama"])
+    report, runner = llm.startup_report, llm.engine.runner
+    assert report["kv_pages"] == runner.kv_cache[0][0].shape[0] == 96
+    assert report["kv_bytes"] == runner.cache_spec.nbytes
+    assert set(report["buckets"]) == {str(b) for b in llm.engine.bucket_plan.buckets()}
+    assert report["attention_impl"] == runner.attention_impl
+    assert report["attention_self_check_max_abs_error"] < 1e-3
+    assert report["max_concurrency_at_max_model_len"] == pytest.approx(95 * 8 / 128)
+
+
+def test_second_start_reads_the_compilation_cache(tiny_checkpoints):
+    make_llm(tiny_checkpoints["llama"])
+    with count_compilations() as events:
+        make_llm(tiny_checkpoints["llama"])
+    assert "/jax/compilation_cache/cache_hits" in events
+
+
+def test_weights_over_budget_fail_with_the_shortfall(tiny_checkpoints):
+    with pytest.raises(StartupError, match=r"exceed the memory budget .* by [0-9.]+ MiB"):
+        make_llm(tiny_checkpoints["llama"], memory_utilization=1e-9)
+
+
+def test_kv_pool_sizing_from_device_memory():
+    budget = MemoryBudget(device_bytes=1000 << 20, budget_bytes=900 << 20, source="test")
+    pages, how = size_kv_pool(budget=budget, weights_bytes=300 << 20, activation_bytes=100 << 20,
+                              bytes_per_page=1 << 20, max_useful_pages=10_000, kv_cache_memory_bytes=None)
+    assert pages == 900 - 300 - 100 - 50  # minus the 5% safety margin
+    assert "activations" in how
+
+
+def test_bucket_plan_is_small_and_covers_every_step():
+    plan = BucketPlan.from_limits(512, 64, 2048, 16)
+    assert len(plan.buckets()) <= 100
+    for tokens, seqs, pages in [(1, 1, 1), (512, 64, 128), (70, 3, 9), (17, 17, 2)]:
+        bucket = plan.select(tokens, seqs, pages)
+        assert bucket.num_tokens >= tokens and bucket.num_seqs >= seqs and bucket.num_pages >= pages
+        assert bucket in plan.buckets()
