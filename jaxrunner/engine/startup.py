@@ -5,6 +5,7 @@ Order matters: the KV pool's shape is part of every executable's signature, so t
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -41,6 +42,39 @@ def resolve_max_model_len(config: EngineConfig, model: LoadedModel) -> int:
     return config.max_model_len
 
 
+def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KVCacheSpec, config,
+                              max_model_len: int) -> int:
+    """Peak temporaries of the largest bucket, compiled once against a provisional small pool.
+
+    Only where the device reports its memory (GPU, TPU): there the pool takes what is left, so the
+    activations must be known first. The provisional pool's pages are the fewest that bucket can
+    address, so the extra compile costs no real memory.
+    """
+    largest = max(plan.buckets())
+    spec = dataclasses.replace(template, num_pages=largest.num_seqs * largest.num_pages + 1)
+    runner = ModelRunner(model.config, model.params, spec, config.attention_impl)
+    batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
+                                      model.config.vocab_size, max_model_len)
+    return int(runner.compile(largest, batch).get("temp_bytes", 0))
+
+
+def _choose_num_pages(config, model, plan, budget, template, max_model_len) -> tuple[int, str, int]:
+    """(num_pages, how it was chosen, activation bytes profiled)."""
+    if config.num_pages is not None:
+        warmup.check_weights_fit(budget, model.nbytes)
+        return config.num_pages, "num_pages given", 0
+    activation_bytes = 0
+    if budget.device_bytes is not None and config.kv_cache_memory_bytes is None:
+        warmup.check_weights_fit(budget, model.nbytes)
+        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len)
+    pages_per_seq = math.ceil(max_model_len / config.page_size)
+    num_pages, how = warmup.size_kv_pool(
+        budget=budget, weights_bytes=model.nbytes, activation_bytes=activation_bytes,
+        bytes_per_page=template.bytes_per_page, max_useful_pages=config.max_num_seqs * pages_per_seq + 1,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+    return num_pages, how, activation_bytes
+
+
 def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner, BucketPlan, int, dict]:
     """Size the KV pool, build the runner, compile and warm up every bucket.
 
@@ -53,19 +87,12 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                                   config.page_size, min_tokens=config.min_token_bucket)
     logger.info("bucket plan: %s", plan.describe())
     cfg = model.config
-    pages_per_seq = math.ceil(max_model_len / config.page_size)
     device = jax.devices()[0]
     budget = warmup.memory_budget(device, config.memory_utilization)
-    spec = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                       config.kv_cache_dtype or config.dtype)
-    if config.num_pages is not None:
-        warmup.check_weights_fit(budget, model.nbytes)
-        num_pages, how = config.num_pages, "num_pages given"
-    else:
-        num_pages, how = warmup.size_kv_pool(
-            budget=budget, weights_bytes=model.nbytes, activation_bytes=0, bytes_per_page=spec.bytes_per_page,
-            max_useful_pages=config.max_num_seqs * pages_per_seq + 1, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
-    spec = KVCacheSpec(num_pages, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.dtype)
+    template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                           config.kv_cache_dtype or config.dtype)
+    num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len)
+    spec = dataclasses.replace(template, num_pages=num_pages)
     runner = ModelRunner(cfg, model.params, spec, config.attention_impl, device=device)
     t_alloc = time.perf_counter()
 
@@ -77,15 +104,15 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                                               cfg.num_kv_heads, cfg.head_dim, spec.dtype, jax.random.fold_in(key, len(buckets)))
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
-                     kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
+                     activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
     logger.info("start-up: %d buckets compiled in %.1f s, KV pool %d pages (%d tokens, %.1f MiB), attention %s",
                 len(buckets), report["compile_s_total"], num_pages, report["kv_tokens"],
                 spec.nbytes / 2**20, runner.attention_impl)
     return runner, plan, max_model_len, report
 
 
-def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, *, kv_alloc_s,
-            warmup_s) -> dict:
+def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, activation_bytes, *,
+            kv_alloc_s, warmup_s) -> dict:
     spec = runner.cache_spec
     usable_tokens = (spec.num_pages - 1) * spec.page_size
     temps = [b.get("temp_bytes", 0) for b in per_bucket.values()]
@@ -105,6 +132,7 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "kv_alloc_s": kv_alloc_s,
         "warmup_inputs": config.warmup_inputs,
         "peak_activation_bytes": max(temps, default=0),
+        "profiled_activation_bytes": activation_bytes,
         "memory_budget_bytes": budget.budget_bytes,
         "memory_budget_source": budget.source,
         "kv_pages": spec.num_pages,
