@@ -1,0 +1,68 @@
+"""Public entry point: shape checks and the choice of implementation.
+
+``impl="auto"`` resolves to the Pallas kernel on GPU/TPU and to the plain-XLA path on CPU
+(Pallas only *interprets* on CPU, which is orders of magnitude slower than XLA there).
+"""
+from __future__ import annotations
+
+import jax
+
+IMPLS = ("reference", "xla", "pallas")
+
+
+def resolve_impl(impl: str = "auto", platform: str | None = None) -> str:
+    """The concrete implementation ``impl`` stands for on ``platform`` (default backend)."""
+    if impl in IMPLS:
+        return impl
+    if impl != "auto":
+        raise ValueError(f"impl must be 'auto' or one of {IMPLS}, got {impl!r}")
+    platform = (platform or jax.default_backend()).lower()
+    if platform in ("gpu", "cuda", "rocm", "tpu"):
+        return "pallas"
+    return "xla"
+
+
+def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
+           soft_cap):
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [T, Hq, D] and k_pages [P, page_size, Hkv, D]; got "
+                         f"{q.shape} and {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages {v_pages.shape} != k_pages {k_pages.shape}")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q {head_dim}, pages {k_pages.shape[3]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if page_indices.ndim != 2 or kv_lens.shape != page_indices.shape[:1]:
+        raise ValueError(f"page_indices {page_indices.shape} / kv_lens {kv_lens.shape} mismatch")
+    if cu_q_lens.shape != (page_indices.shape[0] + 1,):
+        raise ValueError(f"cu_q_lens {cu_q_lens.shape} must be [S+1] with "
+                         f"S={page_indices.shape[0]}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not float(soft_cap) > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=None, soft_cap=None, impl="auto"):
+    """Attention of packed ragged queries over a paged KV cache (see docs/architecture.md).
+
+    q [T, Hq, D]; k_pages/v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, W];
+    cu_q_lens [S+1]; num_seqs scalar. Returns [T, Hq, D] in q's dtype (f32 accumulation).
+    """
+    _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
+           soft_cap)
+    impl = resolve_impl(impl)
+    kw = dict(sm_scale=float(sm_scale),
+              sliding_window=None if sliding_window is None else int(sliding_window),
+              soft_cap=None if soft_cap is None else float(soft_cap))
+    if impl == "reference":
+        from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
+    elif impl == "xla":
+        from jaxrunner.kernels.xla import ragged_paged_attention_xla as fn
+    else:
+        from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
+    return fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)

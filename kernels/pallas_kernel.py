@@ -1,0 +1,398 @@
+"""Ragged paged attention as Pallas kernels (GPU via Triton, TPU via Mosaic).
+
+Shared structure
+----------------
+The wrapper (plain XLA, all O(T * Hq * D) or O(S)) cuts the packed query rows into blocks of
+``block_q`` rows of ONE sequence (:mod:`jaxrunner.kernels.blocks`), gathers the queries into
+``[NB, Hkv, block_q * G, D]`` (row ``j * G + g`` = token ``j`` of the block, query head ``g`` of
+the group sharing kv head ``h``), runs the kernel, and gathers the outputs back to token rows.
+Doing the ragged -> block re-layout outside the kernel keeps the kernel's query/output tiles
+dense and aligned, and a block never writes rows that belong to another sequence. All the
+GQA query heads of a kv head are one tile, so each K/V tile is read once per group, not per head.
+
+Inside, one program owns (query block, kv head) and runs a flash-attention online softmax over
+its sequence's cache, visiting only pages up to the block's last query position (and from the
+first position inside the sliding window), so work scales with the real ``kv_len``, not with the
+page-table width. Scores, the running max/sum and the accumulator are float32; ``p`` is cast to
+the cache dtype for the PV matmul (standard flash-attention practice; bf16 error ~1e-3).
+Non-owned cache slots (beyond ``kv_len``) may hold anything, even NaN: scores are masked with a
+select, and V rows beyond ``kv_len`` are zeroed before the PV matmul.
+
+GPU: why Triton and not Mosaic GPU
+----------------------------------
+Pallas' default GPU backend in jax 0.10 is Mosaic GPU; we pass
+``jax.experimental.pallas.triton.CompilerParams`` to get the Triton backend instead, because:
+
+* a paged cache needs a data-dependent row gather. Mosaic GPU's lowering rejects array indexers
+  ("Arrays are not supported as indices", checked in jax 0.10.2), so every page would have to be
+  its own TMA ``copy_gmem_to_smem`` driven by a scalar page id; a first attempt at exactly that
+  stopped at Mosaic GPU's copy constraints ("Only copies transferring a number of bytes
+  divisible by the warpgroup size are supported") before any compute was written;
+* Mosaic GPU computes in warpgroup (wgmma) tiles with M = 64, while a decode block has only
+  ``G`` (1..8) query rows per kv head;
+* Triton takes all of it natively: ``k_ref[slots, h, :]`` with ``slots`` computed from a vector
+  load of the page table is one pointer-tensor load, ``fori_loop`` with data-dependent bounds
+  becomes an ``scf.for`` Triton can software-pipeline, and small M is padded to 16 rows for
+  ``tl.dot``. KV tiles are ``block_k`` (default 64) cache rows regardless of ``page_size``, so
+  page sizes 8..128 all give full-width tiles.
+
+Nothing here could be compiled for or run on a GPU from this machine: the kernel is tested in
+interpret mode and its lowering to Triton IR is tested; ``scripts/device_check.sh`` does the rest.
+
+TPU: Mosaic with scalar prefetch
+--------------------------------
+On TPU the page table, per-block sequence ids and lengths go through scalar prefetch
+(``PrefetchScalarGridSpec``) into SMEM, where the K/V BlockSpec index maps read them. The grid
+is ``(query block, kv step)``; a step covers ``pages_per_step`` pages (enough for >= 128 cache
+rows, amortising the ~0.35 us per-step cost), each page its own BlockSpec over the same pool so
+the pipeline double-buffers every page DMA. The index map returns the pool page
+``page_indices[seq, clamp(col, first, last)]``: clamping to the block's needed pages makes grid
+steps past them repeat the previous block index, so no DMA is issued, and ``pl.when`` skips
+their compute. Pages are fetched whole (``[page_size * Hkv, D]``, the pool's native layout, a
+free reshape), so each page is DMA'd once for all kv heads, and head ``h`` is the strided row
+slice ``h::Hkv`` (``tpu.strided_load``). Query / output tiles pad rows to the sublane tile
+(8 f32, 16 bf16). This path is verified to *lower* from this CPU-only machine and to be correct
+in interpret mode; Mosaic's final compile happens only on a TPU and has not been exercised.
+Known risk there: strided sublane loads of packed bf16 rows (public TPU kernels bitcast to
+uint32 for that); if Mosaic rejects them, fetch per-head via manual DMA instead.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxrunner.kernels.blocks import choose_block_q, query_blocks, sanitize
+
+_NEG_INF = float("-inf")
+
+
+def _div(x, d: int):
+    """Integer division of NON-NEGATIVE ``x`` by a static ``d``: a plain truncating divide.
+    (``//`` lowers to a sign-corrected floor division; Mosaic's ``sign`` lowering needs a real
+    TPU to query, which breaks lowering from a CPU host.)"""
+    return jax.lax.div(x, jnp.asarray(d, jnp.int32))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------
+# wrapper: ragged tokens -> query blocks -> kernel -> token rows
+# --------------------------------------------------------------------------------------------
+
+def _prepare(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q, row_multiple,
+             pow2_rows, max_rows):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    n_seq = page_indices.shape[0]
+    group = num_q_heads // num_kv_heads
+    cu, q_lens, kv, _ = sanitize(kv_lens, cu_q_lens, num_seqs)
+    # Blocks: on an accelerator streaming a K/V tile costs far more than a query row of MXU /
+    # tensor-core work, so favour big blocks (kv_weight) up to ``max_rows`` tile rows (register /
+    # VMEM budget of the accumulator); decode-only batches still get block_q = 1.
+    bq = block_q or choose_block_q(num_tokens, n_seq, group, kv_weight=64.0,
+                                   max_block_q=max(1, max_rows // group))
+    qb = query_blocks(cu, q_lens, num_tokens, bq)
+    nb = qb.num_blocks
+    rows = bq * group
+    if pow2_rows:   # Triton: power-of-two tiles, tl.dot needs M >= 16
+        rows_pad = max(row_multiple, _next_pow2(rows))
+    else:           # Mosaic: whole sublane tiles (8 rows f32, 16 rows bf16)
+        rows_pad = -(-rows // row_multiple) * row_multiple
+    meta = dict(
+        seq=qb.block_seq,
+        qpos0=kv[qb.block_seq] - q_lens[qb.block_seq] + qb.block_start,
+        nrows=qb.block_rows,
+        kvl=kv[qb.block_seq],
+    )
+    qblk = q[qb.row_token].reshape(nb, bq, num_kv_heads, group, head_dim)
+    qblk = qblk.transpose(0, 2, 1, 3, 4).reshape(nb, num_kv_heads, rows, head_dim)
+    if rows_pad != rows:
+        qblk = jnp.pad(qblk, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    return qb, meta, qblk, bq, rows, rows_pad
+
+
+def _finish(out, qb, bq, rows, num_q_heads, dtype):
+    nb, num_kv_heads, _, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
+    out = out[:, :, :rows].reshape(nb, num_kv_heads, bq, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(nb * bq, num_q_heads, head_dim)
+    return out[qb.token_row].astype(dtype)
+
+
+def _row_positions(qpos0, nrows, rows_pad, group):
+    """Per tile row: absolute query position and whether the row is live."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows_pad, 1), 0)
+    j = _div(r, group)
+    return qpos0 + j, j < nrows
+
+
+def _kv_range(qpos0, nrows, kvl, sliding_window):
+    """[lo, hi) cache positions any live row of the block may attend to."""
+    hi = jnp.minimum(kvl, qpos0 + nrows)
+    hi = jnp.where(nrows > 0, hi, 0)
+    lo = jnp.int32(0)
+    if sliding_window is not None:
+        lo = jnp.maximum(qpos0 - (sliding_window - 1), 0)
+    return lo, hi
+
+
+def _online_update(carry, s, v, mask, v_live):
+    """One flash-attention step. s [R, Bk] f32 (masked below), v [Bk, D] cache dtype."""
+    m_prev, l_prev, acc = carry
+    s = jnp.where(mask, s, _NEG_INF)
+    m_cur = jnp.max(s, axis=1, keepdims=True)
+    m_new = jnp.maximum(m_prev, m_cur)
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    v = jnp.where(v_live, v, jnp.zeros_like(v))
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    return m_new, l_new, acc * alpha + pv
+
+
+def _scores(q, k, sm_scale, soft_cap):
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (Triton) kernel
+# --------------------------------------------------------------------------------------------
+
+def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
+                sm_scale, sliding_window, soft_cap, group, page_size, width, block_k, num_pages):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    seq = seq_ref[b]
+    qpos0 = qpos0_ref[b]
+    nrows = nrows_ref[b]
+    kvl = kvl_ref[b]
+    q = q_ref[...]                                              # [R, D]
+    rows_pad, head_dim = q.shape
+    qpos, row_live = _row_positions(qpos0, nrows, rows_pad, group)
+    lo, hi = _kv_range(qpos0, nrows, kvl, sliding_window)
+    t_lo = _div(lo, block_k)
+    t_hi = _div(hi + block_k - 1, block_k)
+
+    def body(t, carry):
+        l_idx = t * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        col = jnp.minimum(_div(l_idx, page_size), width - 1)
+        page = pt_ref[seq, col]                                 # [Bk] page-table gather
+        page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)  # never fault on bad input
+        slots = page * page_size + jax.lax.rem(l_idx, jnp.int32(page_size))
+        k = k_ref[slots, h, :]                                  # [Bk, D] row gather
+        v = v_ref[slots, h, :]
+        s = _scores(q, k, sm_scale, soft_cap)
+        lrow = l_idx[None, :]
+        mask = (lrow <= qpos) & (lrow < kvl) & row_live
+        if sliding_window is not None:
+            mask &= lrow > qpos - sliding_window
+        v_live = (l_idx < kvl)[:, None]
+        return _online_update(carry, s, v, mask, v_live)
+
+    init = (jnp.full((rows_pad, 1), _NEG_INF, jnp.float32),
+            jnp.zeros((rows_pad, 1), jnp.float32),
+            jnp.zeros((rows_pad, head_dim), jnp.float32))
+    _, l_sum, acc = jax.lax.fori_loop(t_lo, t_hi, body, init)
+    o_ref[...] = (acc / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
+
+
+def _gpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_window, soft_cap,
+              group, block_k, num_warps, num_stages, interpret):
+    from jax.experimental.pallas import triton as plgpu
+
+    nb, num_kv_heads, rows_pad, head_dim = qblk.shape
+    num_pages, page_size = k_pages.shape[:2]
+    width = page_indices.shape[1]
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    kernel = functools.partial(
+        _gpu_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        group=group, page_size=page_size, width=width, block_k=block_k, num_pages=num_pages)
+    whole = pl.no_block_spec  # small metadata and the pools: whole arrays, indexed in-kernel
+    tile = pl.BlockSpec((None, None, rows_pad, head_dim), lambda b, h: (b, h, 0, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(nb, num_kv_heads),
+        in_specs=[whole] * 5 + [tile, whole, whole],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(qblk.shape, qblk.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_triton",
+    )(meta["seq"], meta["qpos0"], meta["nrows"], meta["kvl"], page_indices, qblk,
+      k_pages.reshape(flat), v_pages.reshape(flat))
+
+
+# --------------------------------------------------------------------------------------------
+# TPU (Mosaic) kernel
+# --------------------------------------------------------------------------------------------
+
+def _tpu_block_range(b, seq_ref, qpos0_ref, nrows_ref, kvl_ref, page_size, sliding_window):
+    lo, hi = _kv_range(qpos0_ref[b], nrows_ref[b], kvl_ref[b], sliding_window)
+    first = _div(lo, page_size)
+    last = jnp.maximum(_div(hi + page_size - 1, page_size) - 1, first)
+    return first, last, hi > lo
+
+
+def _tpu_kv_index_map(b, w, seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, *, page_size, width,
+                      sliding_window, sub, pages_per_step, num_pages):
+    first, last, _ = _tpu_block_range(b, seq_ref, qpos0_ref, nrows_ref, kvl_ref, page_size,
+                                      sliding_window)
+    # Clamp into [first, last]: grid steps outside it keep the same block index, so the
+    # pipeline issues no DMA for them (and the kernel skips their compute).
+    col = jnp.minimum(jnp.maximum(w * pages_per_step + sub, first), last)
+    col = jnp.minimum(col, width - 1)
+    page = pt_ref[seq_ref[b] * width + col]
+    return jnp.minimum(jnp.maximum(page, 0), num_pages - 1), 0, 0
+
+
+def _tpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, *rest, sm_scale,
+                sliding_window, soft_cap, group, page_size, num_kv_heads, pages_per_step):
+    kv_refs = rest[:2 * pages_per_step]
+    o_ref, m_ref, l_ref, acc_ref = rest[2 * pages_per_step:]
+    b = pl.program_id(0)
+    w = pl.program_id(1)
+    qpos0 = qpos0_ref[b]
+    nrows = nrows_ref[b]
+    kvl = kvl_ref[b]
+    rows_pad = q_ref.shape[1]
+    first, last, any_kv = _tpu_block_range(b, seq_ref, qpos0_ref, nrows_ref, kvl_ref,
+                                           page_size, sliding_window)
+
+    @pl.when(w == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    qpos, row_live = _row_positions(qpos0, nrows, rows_pad, group)
+    for sub in range(pages_per_step):
+        col = w * pages_per_step + sub
+        k_ref, v_ref = kv_refs[2 * sub], kv_refs[2 * sub + 1]
+
+        @pl.when(any_kv & (col >= first) & (col <= last))
+        def _step():
+            l_idx = col * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+            mask = (l_idx <= qpos) & (l_idx < kvl) & row_live
+            if sliding_window is not None:
+                mask &= l_idx > qpos - sliding_window
+            v_live = jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) + col * page_size < kvl
+            for h in range(num_kv_heads):
+                # head h of a [page_size * Hkv, D] page is the strided row slice h::Hkv
+                rows = pl.ds(h, page_size, stride=num_kv_heads) if num_kv_heads > 1 \
+                    else pl.ds(0, page_size)
+                k = k_ref[rows, :]
+                v = v_ref[rows, :]
+                s = _scores(q_ref[h], k, sm_scale, soft_cap)
+                carry = (m_ref[h], l_ref[h], acc_ref[h])
+                m_new, l_new, acc_new = _online_update(carry, s, v, mask, v_live)
+                m_ref[h] = m_new
+                l_ref[h] = l_new
+                acc_ref[h] = acc_new
+
+    @pl.when(w == pl.num_programs(1) - 1)
+    def _done():
+        l_sum = l_ref[...]
+        o_ref[...] = (acc_ref[...] / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
+
+
+def _tpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_window, soft_cap,
+              group, interpret, pages_per_step=None):
+    from jax.experimental.pallas import tpu as pltpu
+
+    nb, num_kv_heads, rows_pad, head_dim = qblk.shape
+    num_pages, page_size = k_pages.shape[:2]
+    width = page_indices.shape[1]
+    # Several pages per grid step amortise the per-step overhead (~0.35 us): aim at >= 128
+    # cache rows per step. Each page is its own BlockSpec of the same pool, so the pipeline
+    # double-buffers every page DMA.
+    pps = pages_per_step or max(1, min(width, 128 // page_size))
+    steps = -(-width // pps)
+    flat = (num_pages, page_size * num_kv_heads, head_dim)
+    common = dict(page_size=page_size, width=width, sliding_window=sliding_window,
+                  pages_per_step=pps, num_pages=num_pages)
+    kv_specs = []
+    for sub in range(pps):
+        spec = pl.BlockSpec((None, page_size * num_kv_heads, head_dim),
+                            functools.partial(_tpu_kv_index_map, sub=sub, **common))
+        kv_specs += [spec, spec]
+    q_spec = pl.BlockSpec((None, num_kv_heads, rows_pad, head_dim), lambda b, w, *_: (b, 0, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(nb, steps),
+        in_specs=[q_spec] + kv_specs,
+        out_specs=q_spec,
+        scratch_shapes=[pltpu.VMEM((num_kv_heads, rows_pad, 1), jnp.float32),
+                        pltpu.VMEM((num_kv_heads, rows_pad, 1), jnp.float32),
+                        pltpu.VMEM((num_kv_heads, rows_pad, head_dim), jnp.float32)],
+    )
+    kernel = functools.partial(
+        _tpu_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        group=group, page_size=page_size, num_kv_heads=num_kv_heads, pages_per_step=pps)
+    kf = k_pages.reshape(flat)
+    vf = v_pages.reshape(flat)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qblk.shape, qblk.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(meta["seq"], meta["qpos0"], meta["nrows"], meta["kvl"], page_indices.reshape(-1), qblk,
+      *([kf, vf] * pps))
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+
+def _default_backend_variant() -> str:
+    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                  num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
+                                  variant=None, interpret=None, block_q=None, block_k=None,
+                                  num_warps=4, num_stages=2):
+    """Pallas ragged paged attention.
+
+    ``variant``: "gpu" (Triton) or "tpu" (Mosaic); default from the backend. ``interpret``:
+    default True on CPU (tests), False elsewhere.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    variant = variant or _default_backend_variant()
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    if variant == "gpu":
+        qb, meta, qblk, bq, rows, rows_pad = _prepare(
+            q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q, row_multiple=16,
+            pow2_rows=True, max_rows=128)
+        bk = block_k or 64
+        out = _gpu_call(meta, page_indices, qblk, k_pages, v_pages, sm_scale=sm_scale,
+                        sliding_window=sliding_window, soft_cap=soft_cap, group=group,
+                        block_k=bk, num_warps=num_warps, num_stages=num_stages,
+                        interpret=interpret)
+    elif variant == "tpu":
+        qb, meta, qblk, bq, rows, rows_pad = _prepare(
+            q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q,
+            row_multiple=8 * (4 // jnp.dtype(q.dtype).itemsize), pow2_rows=False,
+            max_rows=256)
+        out = _tpu_call(meta, page_indices, qblk, k_pages, v_pages, sm_scale=sm_scale,
+                        sliding_window=sliding_window, soft_cap=soft_cap, group=group,
+                        interpret=interpret)
+    else:
+        raise ValueError(f"variant must be 'gpu' or 'tpu', got {variant!r}")
+    return _finish(out, qb, bq, rows, num_q_heads, q.dtype)

@@ -1,0 +1,385 @@
+"""Ragged paged attention and the KV page write against a float64 numpy oracle.
+
+Every case draws fresh seeded random inputs; cache slots no live token owns hold NaN, padded
+query rows hold large finite garbage and padded sequences carry garbage metadata, so an
+implementation that reads outside its sequence, leaks masked values or leaves rows unwritten
+fails. Pallas runs in interpret mode here (both the Triton/GPU and the Mosaic/TPU kernel bodies),
+on small pools because interpretation is slow.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxrunner import kernels
+from jaxrunner.kernels import blocks
+from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas
+from jaxrunner.kernels.reference import ragged_paged_attention_reference
+from jaxrunner.kernels.testing import make_case
+from jaxrunner.kernels.xla import ragged_paged_attention_xla
+
+
+# ------------------------------------------------------------------------------------------
+# oracle
+# ------------------------------------------------------------------------------------------
+
+def dense_attention_f64(case, *, sm_scale, sliding_window=None, soft_cap=None):
+    """Per live token: gather its sequence's first kv_len slots, causal/window mask, softmax."""
+    q = np.asarray(case.q, np.float64)
+    kp = np.asarray(case.k_pages, np.float64)
+    vp = np.asarray(case.v_pages, np.float64)
+    _, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = kp.shape[1], kp.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = np.full(q.shape, np.nan)
+    row = 0
+    for s, (q_len, kv_len) in enumerate(zip(case.q_lens, case.live_kv_lens)):
+        slots = np.arange(kv_len)
+        pages = case.page_indices[s, slots // page_size]
+        k = kp[pages, slots % page_size]                       # [kv_len, Hkv, D]
+        v = vp[pages, slots % page_size]
+        assert np.isfinite(k).all() and np.isfinite(v).all()  # owned slots are never poisoned
+        for i in range(q_len):
+            pos = kv_len - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            qq = q[row + i].reshape(num_kv_heads, group, head_dim)
+            sc = np.einsum("lhd,hgd->hgl", k[lo:pos + 1], qq) * sm_scale
+            if soft_cap is not None:
+                sc = soft_cap * np.tanh(sc / soft_cap)
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[row + i] = np.einsum("hgl,lhd->hgd", p, v[lo:pos + 1]).reshape(num_q_heads,
+                                                                                 head_dim)
+        row += q_len
+    return out
+
+
+TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=1e-2, atol=1e-2)}
+
+
+def check(out, case, dtype, **attn):
+    out = np.asarray(out)
+    assert out.shape == case.q.shape
+    assert out.dtype == case.q.dtype
+    out = out.astype(np.float64)
+    assert np.isfinite(out).all(), "non-finite output rows (live or padding)"
+    n = case.num_live_tokens
+    want = dense_attention_f64(case, **attn)
+    np.testing.assert_allclose(out[:n], want[:n], **TOL[dtype])
+
+
+# ------------------------------------------------------------------------------------------
+# implementations under test
+# ------------------------------------------------------------------------------------------
+
+def _impl(name):
+    if name == "reference":
+        return ragged_paged_attention_reference
+    if name == "xla":
+        return ragged_paged_attention_xla
+    if name == "pallas_gpu":
+        return functools.partial(ragged_paged_attention_pallas, variant="gpu", interpret=True)
+    if name == "pallas_tpu":
+        return functools.partial(ragged_paged_attention_pallas, variant="tpu", interpret=True)
+    raise ValueError(name)
+
+
+def run(name, case, **attn):
+    fn = jax.jit(functools.partial(_impl(name), **attn))
+    return fn(*[jnp.asarray(a) for a in case.args()])
+
+
+ALL = ["reference", "xla", "pallas_gpu", "pallas_tpu"]
+FAST = ["reference", "xla"]
+
+# name -> (q_lens, kv_lens, make_case kwargs). Lengths cross page boundaries on purpose.
+SHAPES = {
+    "decode": ([1] * 8, [1, 7, 8, 9, 16, 17, 33, 65],
+               dict(page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=64)),
+    "prefill": ([9, 16, 3], [9, 16, 3],
+                dict(page_size=8, num_q_heads=6, num_kv_heads=2, head_dim=64)),
+    "chunked": ([5, 12, 1, 7], [21, 12, 40, 8],
+                dict(page_size=8, num_q_heads=4, num_kv_heads=4, head_dim=64)),
+    "mixed_padded": ([1, 1, 6, 1, 10], [17, 3, 30, 64, 10],
+                     dict(page_size=16, num_q_heads=12, num_kv_heads=4, head_dim=128,
+                          num_tokens=32, max_seqs=8, width=6)),
+}
+
+
+@pytest.mark.parametrize("impl", ALL)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_oracle_f32(impl, shape):
+    q_lens, kv_lens, kw = SHAPES[shape]
+    rng = np.random.default_rng(zlib.crc32(f"{impl}/{shape}".encode()))
+    case = make_case(rng, q_lens, kv_lens, **kw)
+    check(run(impl, case, sm_scale=0.7 / np.sqrt(kw["head_dim"])), case, "float32",
+          sm_scale=0.7 / np.sqrt(kw["head_dim"]))
+
+
+@pytest.mark.parametrize("impl", ALL)
+def test_bf16(impl):
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [1, 4, 1, 9], [40, 20, 8, 9], num_q_heads=8, num_kv_heads=1,
+                     head_dim=128, page_size=16, num_tokens=16, max_seqs=6, dtype="bfloat16")
+    check(run(impl, case, sm_scale=128 ** -0.5), case, "bfloat16", sm_scale=128 ** -0.5)
+
+
+@pytest.mark.parametrize("impl", ALL)
+@pytest.mark.parametrize("attn", [dict(sliding_window=5), dict(soft_cap=2.0),
+                                  dict(sliding_window=16, soft_cap=5.0)],
+                         ids=["window", "softcap", "window+softcap"])
+def test_window_and_softcap(impl, attn):
+    rng = np.random.default_rng(5)
+    # scale 3: logits large enough that the soft cap bites
+    case = make_case(rng, [1, 7, 1, 3], [30, 19, 5, 24], num_q_heads=6, num_kv_heads=3,
+                     head_dim=64, page_size=8, num_tokens=16, max_seqs=5, scale=3.0)
+    check(run(impl, case, sm_scale=0.125, **attn), case, "float32", sm_scale=0.125, **attn)
+
+
+@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("page_size", [8, 32, 128])
+def test_gqa_ratios_and_page_sizes(impl, group, page_size):
+    rng = np.random.default_rng(group * 1000 + page_size)
+    num_kv = 2
+    kv_lens = [page_size - 1, page_size, page_size + 1, 2 * page_size + 3, 1]
+    q_lens = [1, page_size, 3, page_size + 2, 1]
+    case = make_case(rng, q_lens, kv_lens, num_q_heads=num_kv * group, num_kv_heads=num_kv,
+                     head_dim=64, page_size=page_size, num_tokens=sum(q_lens) + 3, max_seqs=7)
+    check(run(impl, case, sm_scale=0.125), case, "float32", sm_scale=0.125)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("group,page_size,head_dim", [(3, 16, 64), (8, 8, 128), (1, 32, 64)])
+def test_pallas_gqa_and_pages(impl, group, page_size, head_dim):
+    rng = np.random.default_rng(group * 7 + page_size)
+    case = make_case(rng, [1, 5, 2], [page_size + 1, 2 * page_size, 3], num_q_heads=2 * group,
+                     num_kv_heads=2, head_dim=head_dim, page_size=page_size, num_tokens=10,
+                     max_seqs=4)
+    check(run(impl, case, sm_scale=0.1), case, "float32", sm_scale=0.1)
+
+
+@pytest.mark.parametrize("block_q", [1, 4, 32])
+def test_xla_any_block_and_chunk_size(block_q):
+    """Every (block_q, formulation, page-chunk) combination, incl. loops that start late
+    (sliding window) and stop early (short sequences in a wide page table)."""
+    rng = np.random.default_rng(block_q)
+    case = make_case(rng, [1, 9, 17, 2, 1], [8, 9, 33, 41, 2], num_q_heads=6, num_kv_heads=3,
+                     head_dim=64, page_size=8, num_tokens=36, max_seqs=7, width=9)
+    for form in ("dot", "blockdiag"):
+        for chunk_rows, attn in ((8, dict(sliding_window=9)), (1024, {})):
+            out = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.2,
+                                            block_q=block_q, formulation=form,
+                                            chunk_rows=chunk_rows, **attn))(*case.args())
+            check(out, case, "float32", sm_scale=0.2, **attn)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_xla_random_batches(data):
+    """Random raggedness under one fixed bucket (one compile): T=24, S=5, W=5, page 4."""
+    q_lens = data.draw(st.lists(st.integers(1, 8), min_size=1, max_size=5))
+    while sum(q_lens) > 24:
+        q_lens.pop()
+    kv_lens = [ql + data.draw(st.integers(0, 20 - ql)) for ql in q_lens]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    case = make_case(rng, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=4, num_pages=30, width=5, num_tokens=24, max_seqs=5)
+    check(_jit_xla(*case.args()), case, "float32", sm_scale=0.3)
+
+
+_jit_xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3))
+
+
+def pool_sized_ops(hlo: str, pool_shape) -> list:
+    """Top-level (unfused) HLO instructions producing a pool-sized array: copies/converts of
+    the whole KV pool. Parameters, bitcasts and tuple plumbing do not count."""
+    size = math.prod(pool_shape)
+    found = []
+    for comp in re.split(r"\n(?=\S)", hlo):
+        header = comp.split("\n", 1)[0]
+        if header.startswith(("%fused", "%wrapped", "HloModule")):
+            continue
+        for line in comp.split("\n")[1:]:
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(", line)
+            if not m or m.group(3) in ("parameter", "bitcast", "get-tuple-element", "tuple"):
+                continue
+            dims = [int(x) for x in m.group(2).split(",") if x]
+            if math.prod(dims) == size:
+                found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", FAST)
+def test_attention_never_touches_the_whole_pool(impl, dtype):
+    """Cost must not scale with the pool: no pool-sized copy/convert in the compiled program
+    (XLA:CPU upcasts 16-bit gathers; a hoisted convert would touch the entire pool)."""
+    rng = np.random.default_rng(4)
+    # page tables several loop chunks wide (a 1-chunk loop is simplified away)
+    for q_lens, kv_lens in (([1] * 6, [9, 30, 17, 200, 1, 40]), ([1, 12, 1], [250, 12, 3])):
+        case = make_case(rng, q_lens, kv_lens, num_q_heads=6, num_kv_heads=3, head_dim=64,
+                         page_size=8, num_pages=96, dtype=dtype)
+        fn = jax.jit(functools.partial(_impl(impl), sm_scale=0.125))
+        hlo = fn.lower(*case.args()).compile().as_text()
+        assert not pool_sized_ops(hlo, case.k_pages.shape), pool_sized_ops(hlo, case.k_pages.shape)
+
+
+def test_oracle_comparison_can_fail():
+    """The checks are not vacuous: an off-by-one window or a wrong scale is caught."""
+    rng = np.random.default_rng(3)
+    case = make_case(rng, [1, 4], [19, 12], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=8, num_tokens=7)
+    out = run("xla", case, sm_scale=0.125, sliding_window=6)
+    with pytest.raises(AssertionError):
+        check(out, case, "float32", sm_scale=0.125, sliding_window=7)
+    with pytest.raises(AssertionError):
+        check(out, case, "float32", sm_scale=0.126, sliding_window=6)
+    out = np.asarray(out).copy()
+    out[case.num_live_tokens] = np.nan  # a padding row left unwritten
+    with pytest.raises(AssertionError):
+        check(out, case, "float32", sm_scale=0.125, sliding_window=6)
+
+
+def test_public_entry_point():
+    rng = np.random.default_rng(21)
+    case = make_case(rng, [3, 1], [9, 30], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=8, num_tokens=8, max_seqs=3)
+    args = [jnp.asarray(a) for a in case.args()]
+    for impl in ("auto", "reference", "xla", "pallas"):
+        out = jax.jit(functools.partial(kernels.ragged_paged_attention, sm_scale=0.125,
+                                        impl=impl))(*args)
+        check(out, case, "float32", sm_scale=0.125)
+    with pytest.raises(ValueError):
+        kernels.ragged_paged_attention(*args, sm_scale=0.1, impl="cuda")
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.ragged_paged_attention(args[0][:, :3], *args[1:], sm_scale=0.1)
+
+
+def test_resolve_impl():
+    assert kernels.resolve_impl() == "xla"  # this test machine is CPU-only
+    assert kernels.resolve_impl("auto", "cpu") == "xla"
+    for plat in ("gpu", "cuda", "tpu"):
+        assert kernels.resolve_impl("auto", plat) == "pallas"
+    for impl in kernels.IMPLS:
+        assert kernels.resolve_impl(impl, "tpu") == impl
+    with pytest.raises(ValueError):
+        kernels.resolve_impl("triton")
+    assert kernels.SCRATCH_PAGE == 0
+
+
+def test_block_choice():
+    assert blocks.choose_block_q(64, 64, 3) == 1          # decode-only: one block per sequence
+    assert blocks.choose_block_q(512, 4, 3, kv_weight=32.0) >= 16
+    for t, s, bq in [(10, 3, 4), (512, 64, 16), (7, 7, 1), (1, 8, 2)]:
+        assert blocks.num_query_blocks(t, s, bq) * bq >= t
+
+
+def test_query_blocks_cover_every_token_once():
+    cu = jnp.asarray([0, 3, 3, 12, 13, 13], jnp.int32)
+    kv = jnp.asarray([5, 0, 20, 1, 9], jnp.int32)
+
+    @jax.jit
+    def view(kv, cu):
+        cu_s, q_lens, _, _ = blocks.sanitize(kv, cu, jnp.int32(4))
+        qb = blocks.query_blocks(cu_s, q_lens, 16, 4)
+        return qb.block_rows, qb.token_row, qb.row_token
+
+    rows, token_row, row_token = (np.asarray(a) for a in view(kv, cu))
+    assert rows.sum() == 13
+    token_row = token_row[:13]
+    assert len(set(token_row)) == 13
+    assert (row_token[token_row] == np.arange(13)).all()
+
+
+# ------------------------------------------------------------------------------------------
+# write_kv_pages
+# ------------------------------------------------------------------------------------------
+
+def _write_case(rng, num_pages=12, page_size=8, hkv=2, d=64, n_live=11, n_pad=5):
+    kp = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+    vp = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+    live_slots = rng.choice(np.arange(page_size, num_pages * page_size), n_live, replace=False)
+    pad_slots = kernels.SCRATCH_PAGE * page_size + rng.integers(0, page_size, n_pad)
+    slots = np.concatenate([live_slots, pad_slots]).astype(np.int32)
+    kn = rng.standard_normal((n_live + n_pad, hkv, d)).astype(np.float32)
+    vn = rng.standard_normal((n_live + n_pad, hkv, d)).astype(np.float32)
+    return kp, vp, kn, vn, slots, n_live
+
+
+def test_write_kv_pages_values():
+    rng = np.random.default_rng(0)
+    kp, vp, kn, vn, slots, n_live = _write_case(rng)
+    k2, v2 = jax.jit(kernels.write_kv_pages)(kp, vp, kn, vn, slots)
+    k2, v2 = np.asarray(k2), np.asarray(v2)
+    page_size = kp.shape[1]
+    for new, old, got in ((kn, kp, k2), (vn, vp, v2)):
+        flat_old = old.reshape(-1, *old.shape[2:])
+        flat_got = got.reshape(-1, *got.shape[2:])
+        np.testing.assert_array_equal(flat_got[slots[:n_live]], new[:n_live])
+        untouched = np.ones(len(flat_old), bool)
+        untouched[slots[:n_live]] = False
+        untouched[kernels.SCRATCH_PAGE * page_size:(kernels.SCRATCH_PAGE + 1) * page_size] = False
+        # padding tokens never touch a live page; everything else is bit-identical
+        np.testing.assert_array_equal(flat_got[untouched], flat_old[untouched])
+
+
+def test_write_kv_pages_bf16_and_shape_errors():
+    rng = np.random.default_rng(1)
+    kp, vp, kn, vn, slots, n_live = _write_case(rng, n_live=4, n_pad=0)
+    kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+    k2, _ = kernels.write_kv_pages(kp, vp, jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(slots))
+    assert k2.dtype == jnp.bfloat16
+    got = np.asarray(k2.astype(jnp.float32)).reshape(-1, *kn.shape[1:])[slots]
+    np.testing.assert_array_equal(got, np.asarray(jnp.asarray(kn, jnp.bfloat16)
+                                                  .astype(jnp.float32)))
+    with pytest.raises(ValueError):
+        kernels.write_kv_pages(kp, vp, kn[:, :1], vn[:, :1], slots)
+
+
+def test_write_kv_pages_in_place_under_donation():
+    rng = np.random.default_rng(2)
+    kp, vp, kn, vn, slots, _ = _write_case(rng, num_pages=512)
+    fn = jax.jit(kernels.write_kv_pages, donate_argnums=(0, 1))
+    kp_d, vp_d = jnp.asarray(kp), jnp.asarray(vp)
+    hlo = fn.lower(kp_d, vp_d, kn, vn, slots).compile().as_text()
+    pool = "f32[%d" % (kp.shape[0] * kp.shape[1])
+    copies = [ln for ln in hlo.splitlines() if " copy(" in ln and pool in ln]
+    assert not copies, copies
+    ptrs = (kp_d.unsafe_buffer_pointer(), vp_d.unsafe_buffer_pointer())
+    k2, v2 = fn(kp_d, vp_d, kn, vn, slots)
+    assert (k2.unsafe_buffer_pointer(), v2.unsafe_buffer_pointer()) == ptrs  # same buffers
+    assert kp_d.is_deleted()
+
+
+def test_write_then_attend_like_the_engine():
+    """Write a step's K/V with write_kv_pages, then attend: equals the oracle over the result."""
+    rng = np.random.default_rng(9)
+    case = make_case(rng, [1, 6], [12, 6], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=4, num_tokens=8, max_seqs=2)
+    # the newest token rows of each sequence come from k_new/v_new
+    slots = []
+    for s, (ql, kvl) in enumerate(zip(case.q_lens, case.live_kv_lens)):
+        for pos in range(kvl - ql, kvl):
+            slots.append(case.page_indices[s, pos // 4] * 4 + pos % 4)
+    slots += [kernels.SCRATCH_PAGE * 4 + 1] * (8 - len(slots))
+    slots = np.asarray(slots, np.int32)
+    kn = rng.standard_normal((8, 2, 64)).astype(np.float32)
+    vn = rng.standard_normal((8, 2, 64)).astype(np.float32)
+
+    @jax.jit
+    def step(kp, vp, kn, vn, slots, *meta):
+        kp, vp = kernels.write_kv_pages(kp, vp, kn, vn, slots)
+        return kernels.ragged_paged_attention(meta[0], kp, vp, *meta[1:], sm_scale=0.125), kp, vp
+
+    out, kp2, vp2 = step(case.k_pages, case.v_pages, kn, vn, slots, case.q, *case.args()[3:])
+    case.k_pages, case.v_pages = np.asarray(kp2), np.asarray(vp2)
+    check(out, case, "float32", sm_scale=0.125)
