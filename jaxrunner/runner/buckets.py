@@ -1,13 +1,16 @@
-"""The finite set of step shapes: token buckets × sequence buckets × page-table-width buckets.
+"""The finite set of step shapes: token buckets × sequence buckets.
 
 Every step is padded up to one bucket, so only these shapes are ever compiled (all of them during
 warm-up). The spacing trades padding waste against compile count:
 
 * tokens ×2 (16 … max_num_batched_tokens): matmul cost grows with padded tokens, so keep waste < 2×;
-* sequences ×4 (1, 4, 16, … max_num_seqs): padded sequences only cost sampler rows and empty
-  attention blocks;
-* page-table width ×4 (… max pages per sequence): the XLA attention path gathers W pages per
-  sequence, so short contexts should not pay for ``max_model_len``.
+* sequences ×4 (1, 4, 16, … and the token bucket's own size, capped by max_num_seqs): padded
+  sequences only cost sampler rows and empty attention blocks.
+
+The page table always has the full width (max_model_len / page_size pages): the attention paths
+loop only up to the longest live sequence, so a width bucket would multiply compiles for nothing
+(measured: the xla path's cost follows the real kv lengths). ``page_buckets`` stays a plan field so
+an implementation whose cost does follow the width could bucket it again.
 """
 from __future__ import annotations
 
@@ -43,12 +46,10 @@ class BucketPlan:
 
     @classmethod
     def from_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                    page_size: int, min_tokens: int = 16, min_pages: int = 2) -> "BucketPlan":
-        max_pages = math.ceil(max_model_len / page_size)
-        pages = sorted({max_pages} | {p for p in _reverse_geometric(max_pages, 4) if p >= min_pages})
+                    page_size: int, min_tokens: int = 16) -> "BucketPlan":
         return cls(token_buckets=_geometric(min_tokens, max_num_batched_tokens, 2),
                    seq_buckets=_geometric(1, max_num_seqs, 4),
-                   page_buckets=tuple(pages))
+                   page_buckets=(math.ceil(max_model_len / page_size),))
 
     def seqs_for(self, num_tokens: int) -> tuple[int, ...]:
         """Sequence buckets under a token bucket: a step never has more sequences than tokens."""
@@ -67,16 +68,8 @@ class BucketPlan:
         return Bucket(t, s, w)
 
     def describe(self) -> str:
-        return (f"{len(self.buckets())} buckets: tokens {list(self.token_buckets)} × seqs "
-                f"{list(self.seq_buckets)} × page-table width {list(self.page_buckets)}")
-
-
-def _reverse_geometric(largest: int, ratio: int) -> list[int]:
-    values, v = [], largest
-    while v >= 1:
-        values.append(v)
-        v //= ratio
-    return values
+        pairs = ", ".join(f"{t}:{list(self.seqs_for(t))}" for t in self.token_buckets)
+        return f"{len(self.buckets())} buckets (tokens:[sequences]) {pairs}; page table {list(self.page_buckets)} pages"
 
 
 def _smallest_at_least(options, needed: int, what: str) -> int:
