@@ -64,9 +64,21 @@ def cmd_chat(args) -> int:
 
     params = _sampling(args)
     llm = LLM(args.model, **_engine_options(args))
+    if llm.get_tokenizer() is None or not getattr(llm.get_tokenizer(), "chat_template", None):
+        raise ValueError(f"model {args.model!r} has no chat template; use `jaxrunner generate --raw`")
+    system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
+    interactive = sys.stdin.isatty()
     print("jaxrunner chat — /reset clears the conversation, /exit quits", file=sys.stderr)
-    for line in sys.stdin:
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            break
+        if not line:  # end of input
+            break
         line = line.strip()
         if line in ("/exit", "/quit"):
             break
@@ -77,13 +89,43 @@ def cmd_chat(args) -> int:
         if not line:
             continue
         history.append({"role": "user", "content": line})
+        prompt = _fit_chat_prompt(llm, system, history, params.max_tokens)
+        if prompt is None:
+            history.pop()
+            print(f"jaxrunner chat: error: the message alone exceeds --max-model-len {llm.engine.max_model_len} "
+                  "tokens; not sent", file=sys.stderr, flush=True)
+            continue
         reply = []
-        for delta in llm.stream(llm.chat_prompt(history), params):
-            reply.append(delta)
-            print(delta, end="", flush=True)
+        try:
+            for delta in llm.stream(prompt, params):
+                reply.append(delta)
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:  # stop this reply, keep the session
+            print(" [interrupted]", end="", flush=True)
         print(flush=True)
         history.append({"role": "assistant", "content": "".join(reply)})
     return 0
+
+
+def _fit_chat_prompt(llm, system: list[dict], history: list[dict], max_tokens: int):
+    """The templated prompt of the conversation, dropping the oldest exchanges (from ``history`` too) until
+    it leaves room to answer within max_model_len; None, with ``history`` untouched, when even the last
+    message alone does not fit."""
+    limit = llm.engine.max_model_len
+    kept = list(history)
+    while kept:
+        prompt = llm.chat_prompt(system + kept)
+        if len(prompt["prompt_token_ids"]) + min(max_tokens, 16) <= limit:
+            dropped = len(history) - len(kept)
+            if dropped:
+                history[:] = kept
+                print(f"(dropped the {dropped} oldest message(s) to fit --max-model-len {limit})",
+                      file=sys.stderr, flush=True)
+            return prompt
+        if len(kept) == 1:
+            return None
+        del kept[:2]  # the oldest user message and its reply
+    return None
 
 
 def cmd_convert(args) -> int:
@@ -103,15 +145,27 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
+    import platform
+
     import jax
 
     from jaxrunner import __version__, kernels
-    from jaxrunner.config import EngineConfig
+    from jaxrunner.config import DEFAULT_MODEL, EngineConfig
+    from jaxrunner.models.loading.resolve import ModelNotFoundError, resolve_model
 
     device = jax.devices()[0]
-    info = {"jaxrunner": __version__, "jax": jax.__version__, "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()], "attention_impl": kernels.resolve_impl("auto", device.platform),
+    try:
+        default_model = resolve_model(DEFAULT_MODEL).path
+    except ModelNotFoundError as err:
+        default_model = f"not available ({err})"
+    info = {"jaxrunner": __version__, "jax": jax.__version__, "python": platform.python_version(),
+            "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+            "cpu_count": os.cpu_count(), "attention_impl": kernels.resolve_impl("auto", device.platform),
+            "default_model": f"{DEFAULT_MODEL}: {default_model}",
             "compilation_cache_dir": EngineConfig().compilation_cache_dir}
+    if args.json:
+        print(json.dumps(info))
+        return 0
     for name, value in info.items():
         print(f"{name}: {value}")
     return 0
@@ -148,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     chat.add_argument("--seed", type=int, default=0, help="sampling seed")
+    chat.add_argument("--system", default=None, help="system prompt (default: the chat template's own, if any)")
     _add_engine_flags(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -157,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored dtype")
     conv.set_defaults(func=cmd_convert)
 
-    info = sub.add_parser("info", help="devices, backend, attention impl, versions, cache dir")
+    info = sub.add_parser("info", help="devices, backend, attention impl, versions, default model, cache dir")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="run a benchmark script (throughput, latency, serving, startup)")

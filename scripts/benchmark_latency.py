@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""Latency: batch sizes × input lengths × output lengths; TTFT, TPOT and end-to-end, p50/p90/p99.
+
+    python scripts/benchmark_latency.py                         # batch 1,4,16 × input 32,128 × output 32,128
+    python scripts/benchmark_latency.py --compare hf --repetitions 3
+
+jaxrunner is timed through the streaming engine API: the batch's requests are added at once, then
+``engine.step()`` runs until they finish, with a timestamp per output token. Per request:
+TTFT = first token − submission, TPOT = (last token − first token) / (n − 1), end-to-end = last
+token − submission; percentiles are over every request of every repetition.
+
+transformers (``--compare hf``) runs the same batch as one static ``generate`` call: TTFT is the
+time of ``generate(max_new_tokens=1)``, end-to-end that of ``generate(max_new_tokens=n)``, TPOT =
+(e2e − TTFT) / (n − 1); percentiles are over repetitions. It runs in its own process (JAX's CPU
+threads slow torch down when they share one). Greedy, EOS ignored, random token prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import _bench_common as common  # noqa: E402
+
+KIND = "latency"
+_ids = itertools.count()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,4,16", help="concurrent requests per measurement")
+    parser.add_argument("--input-lens", default="32,128", help="prompt lengths in tokens")
+    parser.add_argument("--output-lens", default="32,128", help="output lengths in tokens")
+    parser.add_argument("--repetitions", type=int, default=5, help="measured repetitions per combination")
+    parser.add_argument("--warmup-repetitions", type=int, default=1, help="unmeasured repetitions first")
+    parser.add_argument("--compare", choices=["none", "hf"], default="none",
+                        help="also measure transformers' generate on the same batches")
+    common.add_hf_args(parser)
+    common.add_engine_args(parser)
+    common.add_output_args(parser, KIND)
+    return parser
+
+
+def combinations(batch_sizes, input_lens, output_lens) -> list[tuple[int, int, int]]:
+    return [(b, i, o) for b in batch_sizes for i in input_lens for o in output_lens]
+
+
+def _summary(ttft: list[float], tpot: list[float], e2e: list[float]) -> dict:
+    return {"ttft_s": common.percentiles(ttft), "tpot_s": common.percentiles(tpot), "e2e_s": common.percentiles(e2e),
+            "load_average_1m": common.load_average()}
+
+
+# ----------------------------------------------------------------------------- jaxrunner
+def measure_jaxrunner(engine, batch_size: int, input_len: int, output_len: int, repetitions: int,
+                      rng: np.random.Generator, warmup_repetitions: int = 1) -> dict:
+    """TTFT/TPOT/e2e of ``batch_size`` requests submitted together, over ``repetitions`` runs."""
+    from jaxrunner import SamplingParams
+
+    vocab, low = common.tokenizer_vocab(engine.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ttft, tpot, e2e = [], [], []
+    for rep in range(warmup_repetitions + repetitions):
+        prompts = common.random_prompts(rng, [input_len] * batch_size, vocab, low)  # fresh: no prefix-cache hits
+        ids = [f"latency-{next(_ids)}" for _ in prompts]
+        first, last, count = {}, {}, {}
+        submitted = time.perf_counter()
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        pending = set(ids)
+        while pending:
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.request_id not in pending:
+                    continue
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                count[out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    pending.discard(out.request_id)
+            if not outputs and not engine.has_unfinished_requests():
+                raise RuntimeError(f"requests {sorted(pending)} vanished without finishing")
+        if rep < warmup_repetitions:
+            continue
+        for request_id in ids:
+            ttft.append(first[request_id] - submitted)
+            e2e.append(last[request_id] - submitted)
+            n = count[request_id]
+            if n > 1:
+                tpot.append((last[request_id] - first[request_id]) / (n - 1))
+    return _summary(ttft, tpot, e2e)
+
+
+# ----------------------------------------------------------------------------- transformers
+def measure_hf(hf_model, pad_id: int, vocab: int, low: int, batch_size: int, input_len: int, output_len: int,
+               repetitions: int, rng: np.random.Generator, warmup_repetitions: int = 1) -> dict:
+    ttft, tpot, e2e = [], [], []
+    for rep in range(warmup_repetitions + repetitions):
+        prompts = common.random_prompts(rng, [input_len] * batch_size, vocab, low)
+        start = time.perf_counter()
+        common.hf_generate(hf_model, prompts, 1, pad_id)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        common.hf_generate(hf_model, prompts, output_len, pad_id)
+        total = time.perf_counter() - start
+        if rep < warmup_repetitions:
+            continue
+        ttft.append(first)
+        e2e.append(total)
+        if output_len > 1:
+            tpot.append((total - first) / (output_len - 1))
+    return _summary(ttft, tpot, e2e)
+
+
+def hf_baseline(model: str, combos: list[tuple[int, int, int]], repetitions: int, warmup_repetitions: int,
+                seed: int, vocab: int, low: int, progress: bool = False,
+                threads: int | None = None) -> tuple[list[dict], dict]:
+    """``measure_hf`` over every combination, in a separate process (see ``run_hf_worker``)."""
+    spec = {**common.hf_spec(model, threads), "combos": combos, "repetitions": repetitions,
+            "warmup_repetitions": warmup_repetitions, "seed": seed, "vocab": vocab, "low": low}
+    out = common.run_hf_worker(__file__, spec, progress)
+    info = dict(out["info"], method="TTFT = generate(max_new_tokens=1); TPOT = (e2e - TTFT) / (n - 1); "
+                                    "one static batch of equal-length prompts (no padding)")
+    return out["result"], info
+
+
+def _hf_work(hf_model, pad_id: int, spec: dict) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    rng = np.random.default_rng(spec["seed"])
+    rows = []
+    for b, i, o in tqdm(spec["combos"], desc="transformers latency", disable=not spec["progress"]):
+        summary = measure_hf(hf_model, pad_id, spec["vocab"], spec["low"], b, i, o, spec["repetitions"], rng,
+                             spec["warmup_repetitions"])
+        rows.append({"engine": "hf", "batch_size": b, "input_len": i, "output_len": o, **summary})
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+TABLE_HEADERS = ["engine", "batch", "in", "out", "TTFT p50 ms", "p90", "p99", "TPOT p50 ms", "p90", "p99",
+                 "E2E p50 s", "p90", "p99"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    out = []
+    for r in rows:
+        t, p, e = r["ttft_s"], r["tpot_s"], r["e2e_s"]
+        out.append([r["engine"], r["batch_size"], r["input_len"], r["output_len"],
+                    common.ms(t["p50"]), common.ms(t["p90"]), common.ms(t["p99"]),
+                    common.ms(p["p50"]), common.ms(p["p90"]), common.ms(p["p99"]),
+                    e["p50"], e["p90"], e["p99"]])
+    return out
+
+
+def plot(path: str, rows: list[dict], title: str) -> str:
+    labels, seen = [], set()
+    for r in rows:
+        label = f"b{r['batch_size']} in{r['input_len']} out{r['output_len']}"
+        if label not in seen:
+            seen.add(label)
+            labels.append(label)
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+
+    def series(metric: str, scale: float):
+        values = {e: [None] * len(labels) for e in engines}
+        for r in rows:
+            v = r[metric]["p50"]
+            values[r["engine"]][labels.index(f"b{r['batch_size']} in{r['input_len']} out{r['output_len']}")] = \
+                None if v is None else v * scale
+        return values
+
+    return common.panel_bar_plot(path, labels, {
+        "time to first token (p50)": ("ms", series("ttft_s", 1e3)),
+        "time per output token (p50)": ("ms", series("tpot_s", 1e3)),
+        "end-to-end (p50)": ("s", series("e2e_s", 1.0))}, title=title)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.hf_worker:
+        return common.hf_worker_main(args.hf_worker, _hf_work)
+    batch_sizes = common.parse_int_list(args.batch_sizes, "--batch-sizes")
+    input_lens = common.parse_int_list(args.input_lens, "--input-lens")
+    output_lens = common.parse_int_list(args.output_lens, "--output-lens")
+    if args.repetitions < 1 or args.warmup_repetitions < 0:
+        raise common.BenchError("--repetitions must be >= 1 and --warmup-repetitions >= 0")
+    if args.compare == "hf":
+        common.hf_spec(args.model, args.hf_threads)
+    progress = common.show_progress(args)
+    options = common.engine_options(args, max_total_len=max(input_lens) + max(output_lens),
+                                    max_concurrency=max(batch_sizes))
+    if max(batch_sizes) > options["max_num_seqs"]:
+        print(f"note: batch sizes above --max-num-seqs {options['max_num_seqs']} queue inside the engine",
+              file=sys.stderr)
+
+    from tqdm.auto import tqdm
+
+    llm, startup_s = common.start_llm(args.model, options)
+    combos = combinations(batch_sizes, input_lens, output_lens)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for b, i, o in tqdm(combos, desc="jaxrunner latency", disable=not progress):
+        summary = measure_jaxrunner(llm.engine, b, i, o, args.repetitions, rng, args.warmup_repetitions)
+        rows.append({"engine": "jaxrunner", "batch_size": b, "input_len": i, "output_len": o, **summary})
+    startup = dict(common.startup_summary(llm), total_s=startup_s)
+    vocab, low = common.tokenizer_vocab(llm.get_tokenizer())
+    del llm
+
+    hf_info = None
+    if args.compare == "hf":
+        hf_rows, hf_info = hf_baseline(args.model, combos, args.repetitions, args.warmup_repetitions, args.seed,
+                                       vocab, low, progress, args.hf_threads)
+        rows.extend(hf_rows)
+
+    config = {"model": args.model, "batch_sizes": batch_sizes, "input_lens": input_lens, "output_lens": output_lens,
+              "repetitions": args.repetitions, "warmup_repetitions": args.warmup_repetitions, "seed": args.seed,
+              "compare": args.compare, "engine": options,
+              "method": {"jaxrunner": "engine.add_request × batch, then engine.step() with a timestamp per output; "
+                                      "percentiles over all requests of all repetitions",
+                         "hf": "one static generate per batch; percentiles over repetitions"}}
+    payload = {"config": config, "startup": startup, "transformers": hf_info, "results": rows}
+    path = common.write_json(args.output_json, KIND, payload)
+    title = f"latency: {args.model}, {args.repetitions} repetitions"
+    if not args.no_plot:
+        plot(common.png_path(path), rows, title)
+    print(f"wrote {path}" + ("" if args.no_plot else f" and {common.png_path(path)}"), file=sys.stderr)
+    common.print_table(TABLE_HEADERS, table_rows(rows), title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run_main("benchmark_latency", main))

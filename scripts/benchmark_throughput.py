@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Offline throughput: N requests served to completion, jaxrunner vs transformers' static batches.
+
+    python scripts/benchmark_throughput.py                       # 64 random prompts, 32..256 tokens, 128 out
+    python scripts/benchmark_throughput.py --compare hf          # + transformers at batch sizes 16 and 64
+    python scripts/benchmark_throughput.py --dataset builtin --output-len 64
+
+Every request is greedy with EOS ignored, so each produces exactly its output length and both
+engines do the same work. jaxrunner's figure excludes start-up (load + compile + warm-up, reported
+separately); transformers' excludes model loading and runs in its own process (JAX's CPU threads
+slow torch down when they share one). Tokens counted are the requested ones (prompt
++ output); transformers' padding is its own cost. Writes JSON and a PNG bar plot, prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import _bench_common as common  # noqa: E402
+
+KIND = "throughput"
+TEXT_DATASET_PROMPT_ROOM = 512  # default prompt room for text datasets when --max-model-len is unset
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64, help="requests to serve (default 64)")
+    common.add_dataset_args(parser, input_len="32..256", output_len=128)
+    parser.add_argument("--compare", choices=["none", "hf"], default="none",
+                        help="also run transformers' static-batch generate on the same requests")
+    parser.add_argument("--hf-batch-sizes", default="16,64", help="transformers batch sizes (default 16,64)")
+    common.add_hf_args(parser)
+    common.add_engine_args(parser)
+    common.add_output_args(parser, KIND)
+    return parser
+
+
+# ----------------------------------------------------------------------------- measurements
+def make_requests(args, tokenizer) -> list[dict]:
+    rng = np.random.default_rng(args.seed)
+    return common.dataset_requests(args, tokenizer, args.num_requests, rng, args.output_len)
+
+
+def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True) -> dict:
+    """Serve all requests at once through ``llm.generate``; tokens/s over the wall time."""
+    from jaxrunner import SamplingParams
+
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in requests]
+    load_before = common.load_average()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    figures = _figures(elapsed, prompt_tokens, output_tokens, len(requests),
+                       expected_output_tokens=sum(r["output_len"] for r in requests))
+    figures["load_average_1m"] = [load_before, common.load_average()]
+    return figures
+
+
+def run_hf(hf_model, pad_id: int, requests: list[dict], batch_size: int, use_tqdm: bool = True) -> dict:
+    """transformers' ``generate`` over static batches of ``batch_size`` (left padding), in request order.
+
+    A batch generates its longest output length for every row; only the requested tokens count.
+    """
+    from tqdm.auto import tqdm
+
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    padded_tokens = 0
+    load_before = common.load_average()
+    start = time.perf_counter()
+    for batch in tqdm(batches, desc=f"transformers bs={batch_size}", disable=not use_tqdm):
+        new_tokens = max(r["output_len"] for r in batch)
+        out = common.hf_generate(hf_model, [r["prompt_token_ids"] for r in batch], new_tokens, pad_id)
+        padded_tokens += int(out.numel())
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    output_tokens = sum(r["output_len"] for r in requests)
+    figures = _figures(elapsed, prompt_tokens, output_tokens, len(requests))
+    figures.update(batch_size=batch_size, num_batches=len(batches), padded_tokens_processed=padded_tokens,
+                   load_average_1m=[load_before, common.load_average()])
+    return figures
+
+
+def hf_baseline(model: str, requests: list[dict], batch_sizes: list[int], progress: bool = False,
+                threads: int | None = None) -> tuple[dict, dict]:
+    """transformers on the same requests, in a separate process (see ``run_hf_worker``).
+
+    Returns ({"hf_bs16": figures, ...}, info about the baseline: load time, threads, versions).
+    """
+    spec = {**common.hf_spec(model, threads), "batch_sizes": batch_sizes,
+            "requests": [{"prompt_token_ids": r["prompt_token_ids"], "output_len": r["output_len"]} for r in requests]}
+    out = common.run_hf_worker(__file__, spec, progress)
+    info = dict(out["info"], batch_sizes=batch_sizes, padding="left",
+                decoding="greedy, min_new_tokens = max_new_tokens = the batch's longest output")
+    return out["result"], info
+
+
+def _hf_work(hf_model, pad_id: int, spec: dict) -> dict:
+    return {f"hf_bs{bs}": run_hf(hf_model, pad_id, spec["requests"], bs, use_tqdm=spec["progress"])
+            for bs in spec["batch_sizes"]}
+
+
+def _figures(elapsed: float, prompt_tokens: int, output_tokens: int, num_requests: int,
+             expected_output_tokens: int | None = None) -> dict:
+    out = {"elapsed_s": elapsed, "num_requests": num_requests, "prompt_tokens": prompt_tokens,
+           "output_tokens": output_tokens, "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+           "output_tokens_per_s": output_tokens / elapsed, "requests_per_s": num_requests / elapsed}
+    if expected_output_tokens is not None:
+        out["expected_output_tokens"] = expected_output_tokens
+    return out
+
+
+def ratios(results: dict) -> dict:
+    """jaxrunner's throughput over each transformers run's (>1: jaxrunner is faster)."""
+    jr = results["jaxrunner"]
+    out = {}
+    for name, figures in results.items():
+        if name == "jaxrunner":
+            continue
+        out[f"jaxrunner/{name}"] = {
+            "output_tokens_per_s": jr["output_tokens_per_s"] / figures["output_tokens_per_s"],
+            "total_tokens_per_s": jr["total_tokens_per_s"] / figures["total_tokens_per_s"]}
+    if out:
+        best = max((k for k in results if k != "jaxrunner"), key=lambda k: results[k]["output_tokens_per_s"])
+        out["jaxrunner/best_hf"] = dict(out[f"jaxrunner/{best}"], best=best)
+    return out
+
+
+def table_rows(results: dict) -> list[list]:
+    return [[name, f["num_requests"], f["prompt_tokens"], f["output_tokens"], f["elapsed_s"],
+             f["total_tokens_per_s"], f["output_tokens_per_s"]] for name, f in results.items()]
+
+
+TABLE_HEADERS = ["engine", "requests", "prompt tok", "output tok", "elapsed s", "total tok/s", "output tok/s"]
+
+
+def plot(path: str, results: dict, title: str) -> str:
+    names = list(results)
+    return common.bar_plot(path, names, {
+        "output tok/s": [results[n]["output_tokens_per_s"] for n in names],
+        "total tok/s": [results[n]["total_tokens_per_s"] for n in names]},
+        title=title, ylabel="tokens / s")
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.hf_worker:
+        return common.hf_worker_main(args.hf_worker, _hf_work)
+    if args.num_requests < 1:
+        raise common.BenchError(f"--num-requests: must be at least 1, got {args.num_requests}")
+    if args.output_len < 1:
+        raise common.BenchError(f"--output-len: must be at least 1, got {args.output_len}")
+    hf_batch_sizes = common.parse_int_list(args.hf_batch_sizes, "--hf-batch-sizes") if args.compare == "hf" else []
+    if args.compare == "hf":
+        common.hf_spec(args.model, args.hf_threads)  # fail before the long start-up if transformers can't load it
+    progress = common.show_progress(args)
+
+    longest = common.longest_request(args, TEXT_DATASET_PROMPT_ROOM)
+    options = common.engine_options(args, max_total_len=longest, max_concurrency=args.num_requests,
+                                    strict=args.dataset == "random")
+    llm, startup_s = common.start_llm(args.model, options)
+    requests = make_requests(args, llm.get_tokenizer())
+    too_long = [r for r in requests if len(r["prompt_token_ids"]) + r["output_len"] > options["max_model_len"]]
+    if too_long:
+        raise common.BenchError(f"--max-model-len {options['max_model_len']}: {len(too_long)} requests need more "
+                                f"(longest {max(len(r['prompt_token_ids']) + r['output_len'] for r in too_long)})")
+
+    results = {"jaxrunner": run_jaxrunner(llm, requests, use_tqdm=progress)}
+    startup = common.startup_summary(llm)
+    startup["total_s"] = startup_s
+    engine_stats = {k: v for k, v in llm.engine.stats().items() if k != "tokens_per_step"}
+    del llm
+
+    hf_info = None
+    if args.compare == "hf":
+        hf_results, hf_info = hf_baseline(args.model, requests, hf_batch_sizes, progress, args.hf_threads)
+        results.update(hf_results)
+
+    config = {"model": args.model, "num_requests": args.num_requests, "dataset": args.dataset,
+              "dataset_path": args.dataset_path, "input_len": args.input_len if args.dataset == "random" else None,
+              "output_len": args.output_len, "seed": args.seed, "compare": args.compare, "engine": options,
+              "prompt_len_stats": common.percentiles([len(r["prompt_token_ids"]) for r in requests], (0, 50, 100))}
+    payload = {"config": config, "startup": startup, "engine_stats": engine_stats, "transformers": hf_info,
+               "results": results, "ratio": ratios(results)}
+    path = common.write_json(args.output_json, KIND, payload)
+    title = f"throughput: {args.num_requests} requests, {args.model}"
+    if not args.no_plot:
+        plot(common.png_path(path), results, title)
+    print(f"wrote {path}" + ("" if args.no_plot else f" and {common.png_path(path)}"), file=sys.stderr)
+    ratio = payload["ratio"].get("jaxrunner/best_hf")
+    if ratio:
+        title += f" — jaxrunner/{ratio['best']} output tok/s ratio {ratio['output_tokens_per_s']:.2f}×"
+    common.print_table(TABLE_HEADERS, table_rows(results), title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run_main("benchmark_throughput", main))

@@ -1,0 +1,286 @@
+"""The ``jaxrunner`` command and the benchmark scripts, each run in a subprocess like a user would.
+
+Fast tests: ``--help``, ``info``, and user errors (one clear line, exit code 2, caught before the
+model loads). Slow tests load the real SmolLM2 model with small engine settings and share one
+persistent compilation cache (JAXRUNNER_COMPILATION_CACHE, default
+``$TMPDIR/jaxrunner-test-xla-cache`` as in engine_helpers) so repeated starts reuse executables.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_smollm2
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+# The start-up benchmark compiles from an empty cache on purpose: one bucket keeps that short.
+TINY_ENGINE = ["--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--max-model-len", "32"]
+TINY_WORKLOAD = ["--num-requests", "4", "--input-len", "8..16", "--output-len", "4"]
+TIMEOUT_S = 900
+
+
+def shared_cache_dir() -> str:
+    return os.environ.get("JAXRUNNER_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache")
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAXRUNNER_COMPILATION_CACHE=shared_cache_dir(), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg", TQDM_DISABLE="1")
+    env.pop("JAXRUNNER_NOTEBOOK_SMALL", None)
+    return env
+
+
+def run(args: list[str], stdin: str | None = None, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def jaxrunner(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "jaxrunner", *args], stdin=stdin)
+
+
+def script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, str(SCRIPTS / f"benchmark_{name}.py"), *args])
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(prefix), proc.stderr
+    return errors[0]
+
+
+# ----------------------------------------------------------------------------- fast
+@pytest.mark.parametrize("sub", [[], ["generate"], ["chat"], ["bench"], ["convert"], ["info"]],
+                         ids=lambda s: s[0] if s else "top")
+def test_help(sub):
+    proc = _ok(jaxrunner(*sub, "--help"))
+    assert proc.stdout.startswith("usage: jaxrunner")
+    if sub == ["generate"]:  # generate's flags are a stable interface
+        for flag in ("--max-tokens", "--temperature", "--seed", "--json", "--raw", "--model", "--dtype",
+                     "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--attention-impl"):
+            assert flag in proc.stdout, flag
+
+
+@pytest.mark.parametrize("kind", ["throughput", "latency", "serving", "startup"])
+def test_benchmark_help(kind):
+    direct = _ok(script(kind, "--help"))
+    assert "--output-json" in direct.stdout and "--max-num-seqs" in direct.stdout
+    assert "--tensor-parallel-size" in direct.stdout
+    via_cli = _ok(jaxrunner("bench", kind, "--help"))
+    assert via_cli.stdout == direct.stdout
+
+
+def test_info():
+    proc = _ok(jaxrunner("info"))
+    for field in ("jaxrunner:", "jax:", "backend:", "devices:", "attention_impl:", "compilation_cache_dir:"):
+        assert field in proc.stdout
+    info = json.loads(_ok(jaxrunner("info", "--json")).stdout)
+    assert info["backend"] == "cpu" and info["attention_impl"] in ("xla", "reference", "pallas")
+    assert info["compilation_cache_dir"] == shared_cache_dir()
+
+
+@pytest.mark.parametrize("args, prefix", [
+    (["generate", "--model", "/nonexistent", "hi"], "jaxrunner generate: error: model '/nonexistent' not found"),
+    (["generate", "--temperature", "-1", "hi"], "jaxrunner generate: error:"),
+    (["generate", "--max-tokens", "0", "hi"], "jaxrunner generate: error:"),
+    (["chat", "--temperature", "-1"], "jaxrunner chat: error:"),
+    (["chat", "--model", "/nonexistent"], "jaxrunner chat: error: model '/nonexistent' not found"),
+    (["bench", "throughput", "--tensor-parallel-size", "2"], "benchmark_throughput: error: --tensor-parallel-size 2"),
+    (["bench", "latency", "--batch-sizes", "1,x"], "benchmark_latency: error: --batch-sizes"),
+    (["bench", "serving", "--request-rate", "-3"], "benchmark_serving: error: request rate"),
+    (["bench", "throughput", "--dataset", "jsonl"], "benchmark_throughput: error: --dataset jsonl needs"),
+    (["bench", "throughput", "--input-len", "9..3"], "benchmark_throughput: error: --input-len"),
+    (["bench", "throughput", "--compare", "hf", "--model", "/nonexistent"], "benchmark_throughput: error: model"),
+    (["bench", "latency", "--compare", "hf", "--hf-threads", "0"], "benchmark_latency: error: --hf-threads"),
+], ids=lambda v: v[0] + "-" + v[1] if isinstance(v, list) else None)
+def test_bad_input_is_one_line_and_exit_2(args, prefix):
+    _one_error_line(jaxrunner(*args), prefix)
+
+
+def test_bad_flag_value_is_argparse_exit_2():
+    proc = jaxrunner("generate", "--max-tokens", "many", "hi")
+    assert proc.returncode == 2 and "invalid int value" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_chat_drops_oldest_turns_to_fit():
+    """`jaxrunner chat` forgets the oldest exchanges when the conversation outgrows max_model_len."""
+    from jaxrunner.cli import _fit_chat_prompt
+
+    class FakeLLM:  # one token per character, max_model_len 50
+        class engine:
+            max_model_len = 50
+
+        @staticmethod
+        def chat_prompt(conversation):
+            return {"prompt_token_ids": [0] * sum(len(m["content"]) for m in conversation)}
+
+    def turn(role, n):
+        return {"role": role, "content": "x" * n}
+
+    history = [turn("user", 20), turn("assistant", 20), turn("user", 10)]
+    assert _fit_chat_prompt(FakeLLM, [], history, 16) is not None
+    assert history == [turn("user", 10)]
+    history = [turn("user", 5), turn("assistant", 5), turn("user", 40)]
+    assert _fit_chat_prompt(FakeLLM, [], history, 16) is None  # the last message alone is too long
+    assert len(history) == 3  # untouched: the caller drops only the message it could not send
+
+
+def test_builtin_chat_prompts():
+    rows = [json.loads(line) for line in (ROOT / "jaxrunner" / "data" / "chat_prompts.jsonl").read_text().splitlines()
+            if line.strip()]
+    assert 15 <= len(rows) <= 30
+    for row in rows:
+        assert isinstance(row["prompt"], str) and row["prompt"].strip()
+        assert isinstance(row["output_len"], int) and 1 <= row["output_len"] <= 256
+    assert len({row["prompt"] for row in rows}) == len(rows)
+
+
+# ----------------------------------------------------------------------------- slow: the real model
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_generate_json_greedy_paris():
+    proc = _ok(jaxrunner("generate", "What is the capital of France?", "Name one primary color.", "--json",
+                         "--max-tokens", "16", *SMALL_ENGINE))
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert len(records) == 2
+    for record in records:
+        assert set(record) >= {"prompt", "text", "token_ids", "finish_reason"}
+        assert isinstance(record["text"], str) and record["text"]
+        assert record["token_ids"] and all(isinstance(t, int) for t in record["token_ids"])
+        assert len(record["token_ids"]) <= 16 and record["finish_reason"] in ("stop", "length")
+    assert records[0]["prompt"] == "What is the capital of France?"
+    assert "Paris" in records[0]["text"]
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_chat_two_turns_reset_exit():
+    stdin = ("What is the capital of France?\n"
+             "And what about Italy?\n"
+             "/reset\n"
+             "Say hello.\n"
+             "/exit\n"
+             "this line comes after /exit and must be ignored\n")
+    proc = _ok(jaxrunner("chat", "--max-tokens", "24", *SMALL_ENGINE, stdin=stdin))
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 4, proc.stdout
+    assert "Paris" in lines[0]
+    assert "Rome" in lines[1]  # the second turn saw the first (history kept)
+    assert lines[2] == "(conversation cleared)"
+    assert lines[3].strip()
+
+
+def _read_json(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    for key in ("benchmark", "date", "versions", "device", "config"):
+        assert key in data, key
+    assert data["versions"]["jaxrunner"] and data["versions"]["jax"]
+    assert data["device"]["jax_backend"] == "cpu"
+    return data
+
+
+def _assert_percentiles(block: dict):
+    for q in ("p50", "p90", "p99"):
+        assert block[q] is not None and block[q] >= 0, block
+    assert block["p50"] <= block["p90"] <= block["p99"]
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_benchmark_throughput_vs_hf(tmp_path):
+    out = tmp_path / "tp.json"
+    proc = _ok(script("throughput", *TINY_WORKLOAD, *SMALL_ENGINE, "--compare", "hf", "--hf-batch-sizes", "2,4",
+                      "--hf-threads", "1", "--output-json", str(out)))
+    data = _read_json(out)
+    assert data["benchmark"] == "throughput" and data["config"]["num_requests"] == 4
+    results = data["results"]
+    assert set(results) == {"jaxrunner", "hf_bs2", "hf_bs4"}
+    for figures in results.values():
+        assert figures["total_tokens_per_s"] > 0 and figures["output_tokens_per_s"] > 0 and figures["elapsed_s"] > 0
+        assert figures["output_tokens"] == 16
+    assert data["ratio"]["jaxrunner/best_hf"]["output_tokens_per_s"] > 0
+    assert data["transformers"]["process"].startswith("separate") and data["transformers"]["torch_num_threads"] == 1
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert proc.stdout.strip().splitlines()[-1].startswith("hf_bs4")  # the table is printed last
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_benchmark_latency_vs_hf(tmp_path):
+    out = tmp_path / "lat.json"
+    _ok(script("latency", "--batch-sizes", "1,2", "--input-lens", "8", "--output-lens", "4", "--repetitions", "2",
+               *SMALL_ENGINE, "--compare", "hf", "--hf-threads", "1", "--output-json", str(out)))
+    data = _read_json(out)
+    rows = data["results"]
+    assert sorted((r["engine"], r["batch_size"]) for r in rows) == [("hf", 1), ("hf", 2), ("jaxrunner", 1),
+                                                                     ("jaxrunner", 2)]
+    for row in rows:
+        assert row["input_len"] == 8 and row["output_len"] == 4
+        _assert_percentiles(row["ttft_s"])
+        _assert_percentiles(row["e2e_s"])
+        assert row["tpot_s"]["p50"] is not None
+        if row["engine"] == "jaxrunner":  # per request: batch × repetitions samples
+            assert row["ttft_s"]["n"] == row["batch_size"] * 2
+            assert row["e2e_s"]["p50"] >= row["ttft_s"]["p50"]
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_benchmark_serving_via_cli(tmp_path):
+    out = tmp_path / "srv.json"
+    proc = _ok(jaxrunner("bench", "serving", *TINY_WORKLOAD, "--sweep-rates", "inf,8", "--slo-ttft-ms", "60000",
+                         "--slo-tpot-ms", "60000", *SMALL_ENGINE, "--compare", "hf", "--output-json", str(out)))
+    assert "not supported" in proc.stderr
+    data = _read_json(out)
+    assert data["compare"]["hf"]["supported"] is False and data["compare"]["hf"]["reason"]
+    assert [s["request_rate"] for s in data["results"]] == ["inf", 8.0]
+    for summary in data["results"]:
+        assert summary["completed"] == summary["num_requests"] == 4
+        assert summary["output_tokens"] == 16
+        for key in ("request_throughput", "output_token_throughput", "total_token_throughput"):
+            assert summary[key] > 0
+        assert summary["slo_attainment"] == 1.0  # generous SLOs
+        assert summary["goodput_requests_per_s"] == pytest.approx(summary["request_throughput"])
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            _assert_percentiles(summary[key])
+    assert set(data["per_request"]) == {"inf", "8.0"}
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_benchmark_startup_cold_vs_warm(tmp_path):
+    out = tmp_path / "st.json"
+    _ok(script("startup", *TINY_ENGINE, "--input-len", "8", "--output-len", "4", "--output-json", str(out)))
+    data = _read_json(out)
+    results = data["results"]
+    assert set(results) == {"cold", "warm"}
+    for r in results.values():
+        for key in ("load_s", "compile_s_total", "warmup_s", "kv_alloc_s", "process_wall_s", "ttft_first_s",
+                    "ttft_tenth_s"):
+            assert r[key] is not None and r[key] >= 0, key
+        assert len(r["ttft_s"]) == 10 and r["num_buckets"] == 1
+    assert results["cold"]["compilation_cache_dir"] == results["warm"]["compilation_cache_dir"]
+    assert not os.path.exists(results["cold"]["compilation_cache_dir"])  # the temporary cache is removed
+    assert data["config"]["cache_files_after_warm"] > 0
+    # The warm start found the executables the cold one compiled.
+    assert results["warm"]["compile_s_total"] < results["cold"]["compile_s_total"]
