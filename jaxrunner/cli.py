@@ -33,6 +33,19 @@ def _engine_options(args) -> dict:
                 seed=getattr(args, "seed", 0), progress=sys.stderr.isatty())
 
 
+def _start(model: str, options: dict):
+    """Build the LLM and say, in two lines on stderr, what was loaded and how start-up went."""
+    from jaxrunner.llm import LLM
+
+    llm = LLM(model, **options)
+    report = llm.startup_report
+    print(llm.engine.model.summary(), file=sys.stderr)
+    print(f"start-up: {len(report['buckets'])} buckets warmed up in {report['warmup_s']:.1f} s, "
+          f"KV pool {report['kv_pages']} pages ({report['kv_tokens']} tokens), attention {report['attention_impl']}",
+          file=sys.stderr)
+    return llm
+
+
 def _sampling(args):
     from jaxrunner.sampling_params import SamplingParams
 
@@ -41,10 +54,11 @@ def _sampling(args):
 
 
 def cmd_generate(args) -> int:
-    from jaxrunner.llm import LLM
-
     params = _sampling(args)  # validate flags before the model loads
-    llm = LLM(args.model, **_engine_options(args))
+    options = _engine_options(args)
+    # A one-shot job knows its batch: no sequence bucket larger than the prompts is worth compiling.
+    options["max_num_seqs"] = max(1, min(options["max_num_seqs"], len(args.prompt)))
+    llm = _start(args.model, options)
     tokenizer = llm.get_tokenizer()
     use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if use_chat else p for p in args.prompt]
@@ -60,10 +74,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from jaxrunner.llm import LLM
-
     params = _sampling(args)
-    llm = LLM(args.model, **_engine_options(args))
+    llm = _start(args.model, _engine_options(args))
     if llm.get_tokenizer() is None or not getattr(llm.get_tokenizer(), "chat_template", None):
         raise ValueError(f"model {args.model!r} has no chat template; use `jaxrunner generate --raw`")
     system = [{"role": "system", "content": args.system}] if args.system else []
