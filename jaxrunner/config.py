@@ -28,7 +28,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
             "JAXRUNNER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner", "xla")))
-    min_token_bucket: int = 16
+    min_token_bucket: int = 1
     progress: bool = True
 
     def __post_init__(self) -> None:
