@@ -353,6 +353,15 @@ def _json_default(value):
     return str(value)
 
 
+def write_results(args, kind: str, payload: dict, plot, plot_data, title: str) -> str:
+    """Write the JSON (and the PNG beside it unless --no-plot) and say where on stderr."""
+    path = write_json(args.output_json, kind, payload)
+    if not args.no_plot:
+        plot(png_path(path), plot_data, title)
+    print(f"wrote {path}" + ("" if args.no_plot else f" and {png_path(path)}"), file=sys.stderr)
+    return path
+
+
 def png_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
 

@@ -226,11 +226,8 @@ def main(argv=None) -> int:
                                       "percentiles over all requests of all repetitions",
                          "hf": "one static generate per batch; percentiles over repetitions"}}
     payload = {"config": config, "startup": startup, "transformers": hf_info, "results": rows}
-    path = common.write_json(args.output_json, KIND, payload)
     title = f"latency: {args.model}, {args.repetitions} repetitions"
-    if not args.no_plot:
-        plot(common.png_path(path), rows, title)
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {common.png_path(path)}"), file=sys.stderr)
+    common.write_results(args, KIND, payload, plot, rows, title)
     common.print_table(TABLE_HEADERS, table_rows(rows), title)
     return 0
 

@@ -254,11 +254,8 @@ def main(argv=None) -> int:
                         "datasets may hit the prefix cache after the first rate (see engine_stats)"}
     payload = {"config": config, "startup": startup, "engine_stats": engine_stats, "compare": compare,
                "results": summaries, "per_request": per_request}
-    path = common.write_json(args.output_json, KIND, payload)
     title = f"serving: {args.num_requests} requests per rate, {args.model}"
-    if not args.no_plot:
-        plot(common.png_path(path), summaries, title)
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {common.png_path(path)}"), file=sys.stderr)
+    common.write_results(args, KIND, payload, plot, summaries, title)
     common.print_table(TABLE_HEADERS, table_rows(summaries),
                        title + f" (SLO: TTFT ≤ {args.slo_ttft_ms:g} ms, TPOT ≤ {args.slo_tpot_ms:g} ms)")
     return 0

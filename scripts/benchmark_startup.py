@@ -194,11 +194,8 @@ def main(argv=None) -> int:
               "method": "each start in a fresh subprocess; cold = empty persistent compilation cache dir, "
                         "warm = the same dir again; OS file cache not dropped"}
     payload = {"config": config, "results": results, "cold_over_warm": speedup}
-    path = common.write_json(args.output_json, KIND, payload)
     title = f"start-up: {args.model}, {cold['num_buckets']} buckets"
-    if not args.no_plot:
-        plot(common.png_path(path), results, title)
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {common.png_path(path)}"), file=sys.stderr)
+    common.write_results(args, KIND, payload, plot, results, title)
     common.print_table(TABLE_HEADERS, table_rows(results),
                        title + f" — cold/warm: process {speedup['process_wall']:.2f}×, compile {speedup['compile']:.2f}×")
     return 0

@@ -192,11 +192,8 @@ def main(argv=None) -> int:
               "prompt_len_stats": common.percentiles([len(r["prompt_token_ids"]) for r in requests], (0, 50, 100))}
     payload = {"config": config, "startup": startup, "engine_stats": engine_stats, "transformers": hf_info,
                "results": results, "ratio": ratios(results)}
-    path = common.write_json(args.output_json, KIND, payload)
     title = f"throughput: {args.num_requests} requests, {args.model}"
-    if not args.no_plot:
-        plot(common.png_path(path), results, title)
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {common.png_path(path)}"), file=sys.stderr)
+    common.write_results(args, KIND, payload, plot, results, title)
     ratio = payload["ratio"].get("jaxrunner/best_hf")
     if ratio:
         title += f" — jaxrunner/{ratio['best']} output tok/s ratio {ratio['output_tokens_per_s']:.2f}×"
