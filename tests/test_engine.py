@@ -163,7 +163,7 @@ def test_abort_frees_pages(llm, prompts):
 
 
 def test_request_too_big_for_the_pool_is_rejected(tiny_checkpoints):
-    small = make_llm(tiny_checkpoints["llama"], num_pages=6)  # 40 usable token slots
+    small = make_llm(tiny_checkpoints["llama"], num_pages=6, max_num_seqs=1, max_num_batched_tokens=16)  # 40 slots
     with pytest.raises(ValueError):
         small.engine.add_request("huge", {"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=20))
     assert not small.engine.has_unfinished_requests()

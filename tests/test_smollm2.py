@@ -25,7 +25,7 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def smollm2():
     return LLM("smollm2-135m-instruct", dtype="float32", max_num_seqs=8, max_num_batched_tokens=128,
-               max_model_len=256, compilation_cache_dir=COMPILE_CACHE, progress=False)
+               max_model_len=256, compilation_cache_dir=COMPILE_CACHE, progress=False, min_token_bucket=16)
 
 
 def test_greedy_chat_matches_transformers_token_for_token(smollm2):

@@ -6,6 +6,7 @@ for stops, and finished requests free their pages — all in the step that finis
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -57,7 +58,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
-        self.tokens_per_step: list[int] = []
+        # recent steps only: a long-running server must not grow a list per step forever
+        self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
+        self.num_steps = 0
 
     @classmethod
     def from_config(cls, **kwargs) -> "LLMEngine":
@@ -126,18 +129,16 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        samples = [chunk.sample for chunk in plan.chunks]
         widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
         bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
         batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids)
         sampled = self.runner.execute(bucket, batch)
         self.scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
-        outputs = []
-        for row, (chunk, sample) in enumerate(zip(plan.chunks, samples)):
-            if sample:
-                outputs.append(self._accept_token(chunk.request, sampled, row))
-        return outputs
+        self.num_steps += 1
+        # chunk.sample was fixed when the plan was made, so appending tokens below cannot change it
+        return [self._accept_token(chunk.request, sampled, row) for row, chunk in enumerate(plan.chunks)
+                if chunk.sample]
 
     def _accept_token(self, request: Request, sampled, row: int) -> RequestOutput:
         tracked = self._tracked[request.request_id]
@@ -187,8 +188,8 @@ class LLMEngine:
     def stats(self) -> dict:
         allocator = self.scheduler.allocator
         return {
-            "num_steps": len(self.tokens_per_step),
-            "tokens_per_step": list(self.tokens_per_step),
+            "num_steps": self.num_steps,
+            "tokens_per_step": list(self.tokens_per_step),  # the most recent 10,000 steps
             "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "pages_in_use": allocator.num_used_pages,
