@@ -438,11 +438,16 @@ def panel_bar_plot(path: str, labels: list[str], panels: dict[str, tuple[str, di
     fig, axes = plt.subplots(len(panels), 1, figsize=(min(width, 18), 3.4 * len(panels)), squeeze=False)
     for ax, (panel_title, (ylabel, series)) in zip(axes[:, 0], panels.items()):
         _bars(ax, labels, series, ylabel, panel_title)
+    return save_figure(fig, path, title)
+
+
+def save_figure(fig, path: str, title: str | None) -> str:
+    """Title, lay out, write the PNG and free the figure (every benchmark plot ends this way)."""
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 

@@ -201,11 +201,7 @@ def plot(path: str, summaries: list[dict], title: str) -> str:
         ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (req/s)")
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, title)
 
 
 def main(argv=None) -> int:

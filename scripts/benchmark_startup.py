@@ -151,11 +151,7 @@ def plot(path: str, results: dict, title: str) -> str:
     ax2.set_ylabel("TTFT ms")
     ax2.set_title("time to first token, sequential same-shape requests")
     ax2.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, title)
 
 
 def main(argv=None) -> int:

@@ -210,18 +210,15 @@ def main(argv=None):
                   args=vars(args))
     print(f"device_check: jax {jax.__version__} on {report['device']} "
           f"(auto impl: {report['impl_auto']})", flush=True)
-    if not args.skip_correctness:
-        try:
-            check_correctness(kernels, args, report)
+    sections = [("correctness", check_correctness, args.skip_correctness), ("timing", time_decode, args.skip_timing)]
+    for name, section, skip in sections:
+        if skip:
+            continue
+        try:  # one section failing must not cost the other its figures (device time is scarce)
+            section(kernels, args, report)
         except Exception as e:  # noqa: BLE001
-            report["correctness_error"] = traceback.format_exc()[-3000:]
-            print("correctness section failed:", e)
-    if not args.skip_timing:
-        try:
-            time_decode(kernels, args, report)
-        except Exception as e:  # noqa: BLE001
-            report["timing_error"] = traceback.format_exc()[-3000:]
-            print("timing section failed:", e)
+            report[f"{name}_error"] = traceback.format_exc()[-3000:]
+            print(f"{name} section failed:", e)
     report["wall_s"] = time.time() - t0
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
