@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrunner.models.loading.orbax_ckpt import (
+    CHECKPOINT_FORMAT_VERSION,
     MARKER_FILE,
     CheckpointError,
     is_checkpoint,
@@ -75,7 +76,7 @@ def test_round_trip_bit_identical(tmp_path, dtype, as_jax):
     save_checkpoint(d, params, CONFIG, None)
     assert is_checkpoint(d)
     info = read_checkpoint_info(d)
-    assert info["dtype"] == np.dtype(dtype).name and info["format_version"] == 1
+    assert info["dtype"] == np.dtype(dtype).name and info["format_version"] == CHECKPOINT_FORMAT_VERSION
     out, cfg, tok = load_checkpoint(d)
     assert cfg == CONFIG and tok is None
     assert isinstance(out["layers"], list) and len(out["layers"]) == 2
@@ -169,11 +170,12 @@ def test_corrupt_checkpoint(tmp_path, damage):
     gc.collect()  # let the failed restore's leftovers go while the filter above is active
 
 
-def test_newer_format_version_is_refused(tmp_path):
+@pytest.mark.parametrize("version, message", [(99, "newer"), (1, "older layout.*jaxrunner convert")])
+def test_other_format_versions_are_refused(tmp_path, version, message):
     d = tmp_path / "ckpt"
     save_checkpoint(d, make_params(np.float32), CONFIG)
     info = json.loads((d / MARKER_FILE).read_text())
-    info["format_version"] = 99
+    info["format_version"] = version
     (d / MARKER_FILE).write_text(json.dumps(info))
-    with pytest.raises(CheckpointError, match="newer"):
+    with pytest.raises(CheckpointError, match=message):
         load_checkpoint(d)

@@ -67,10 +67,11 @@ def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, at
     qkv = linear(h, layer["wqkv"])
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-    q = apply_rope(q.reshape(tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-    k = apply_rope(k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-    v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+    group = cfg.num_heads // cfg.num_kv_heads
+    qkv = qkv.reshape(tokens, cfg.num_kv_heads, group + 2, cfg.head_dim)  # grouped by KV head (params.py)
+    q = apply_rope(qkv[:, :, :group].reshape(tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+    k = apply_rope(qkv[:, :, group], cos, sin)
+    v = qkv[:, :, group + 1]
     out, layer_cache = attention(q, k, v, layer_cache, meta, sm_scale=cfg.head_dim ** -0.5,
                                  sliding_window=cfg.sliding_window)
     return x + linear(out.reshape(tokens, cfg.q_size), layer["wo"]), layer_cache
@@ -78,7 +79,8 @@ def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, at
 
 def _mlp_block(layer, x, cfg: ModelConfig):
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
+    gate_up = linear(h, layer["w_gate_up"]).reshape(*h.shape[:-1], cfg.intermediate_size, 2)  # interleaved
+    gate, up = gate_up[..., 0], gate_up[..., 1]
     return x + linear(jax.nn.silu(gate) * up, layer["w_down"])
 
 

@@ -3,6 +3,16 @@
 Weights are stored ``[in, out]`` so the forward is ``x @ w``. Q/K/V and gate/up are fused into one
 matrix each at load time: fewer, larger matmuls cost less per-op overhead on XLA:CPU and feed the
 matrix units better on accelerators.
+
+The fused columns are laid out so that any tensor-parallel split of the output dimension is a
+contiguous slice that a shard can use on its own (see ``jaxrunner.parallel``):
+
+- ``wqkv``: grouped by KV head — for each KV head ``g``: its ``G`` query heads, then ``k_g``, then
+  ``v_g`` (``[d, Hkv, G + 2, head_dim]`` flattened). A split into ``tp`` pieces hands each shard
+  whole groups whenever ``tp`` divides ``Hkv``.
+- ``w_gate_up``: gate and up interleaved column by column (``[d, inter, 2]`` flattened).
+
+One layout for every degree of parallelism, so a checkpoint restores straight into any sharding.
 """
 from __future__ import annotations
 
@@ -38,24 +48,33 @@ def _layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict[str, np.
     up = _take(state, p + "mlp.up_proj.weight", (inter, d), source)
     layer = {
         "attn_norm": _take(state, p + "input_layernorm.weight", (d,), source),
-        "wqkv": np.concatenate([q, k, v], axis=0).T,
+        "wqkv": group_qkv(q, k, v, cfg).T,
         "wo": _take(state, p + "self_attn.o_proj.weight", (d, cfg.q_size), source).T,
         "mlp_norm": _take(state, p + "post_attention_layernorm.weight", (d,), source),
-        "w_gate_up": np.concatenate([gate, up], axis=0).T,
+        "w_gate_up": np.stack([gate, up], axis=1).reshape(2 * inter, d).T,
         "w_down": _take(state, p + "mlp.down_proj.weight", (d, inter), source).T,
     }
     if cfg.attention_bias:
-        layer["bqkv"] = np.concatenate([
+        layer["bqkv"] = group_qkv(
             _take(state, p + "self_attn.q_proj.bias", (cfg.q_size,), source),
             _take(state, p + "self_attn.k_proj.bias", (cfg.kv_size,), source),
-            _take(state, p + "self_attn.v_proj.bias", (cfg.kv_size,), source),
-        ])
+            _take(state, p + "self_attn.v_proj.bias", (cfg.kv_size,), source), cfg)
     return layer
 
 
-def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dtype="float32",
-                           source: str = "checkpoint") -> dict:
-    """Build the params pytree (device arrays of ``dtype``) from an HF-named state dict."""
+def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Stack q/k/v rows (torch ``[out, ...]`` layout) by KV head: ``[Hkv * (G + 2) * head_dim, ...]``."""
+    kv_heads, dim = cfg.num_kv_heads, cfg.head_dim
+    group = cfg.num_heads // kv_heads
+    rest = q.shape[1:]
+    parts = [q.reshape(kv_heads, group, dim, *rest), k.reshape(kv_heads, 1, dim, *rest),
+             v.reshape(kv_heads, 1, dim, *rest)]
+    return np.concatenate(parts, axis=1).reshape(-1, *rest)
+
+
+def host_params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig,
+                                source: str = "checkpoint") -> dict:
+    """The params pytree as float32 host (numpy) arrays, from an HF-named state dict."""
     d, vocab = cfg.hidden_size, cfg.vocab_size
     host = {
         "embed": _take(state, "model.embed_tokens.weight", (vocab, d), source),
@@ -64,13 +83,23 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dt
     }
     if not cfg.tie_word_embeddings:
         host["lm_head"] = _take(state, "lm_head.weight", (vocab, d), source).T
-    return cast_params(host, dtype)
+    return host
 
 
-def cast_params(params, dtype) -> dict:
-    """Place every leaf on the default device as ``dtype`` (norm weights included, as HF does)."""
+def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dtype="float32",
+                           source: str = "checkpoint") -> dict:
+    """Build the params pytree (device arrays of ``dtype``) from an HF-named state dict."""
+    return cast_params(host_params_from_state_dict(state, cfg, source), dtype)
+
+
+def cast_params(params, dtype, shardings=None) -> dict:
+    """Place every leaf as ``dtype`` (norm weights included, as HF does): on the default device, or
+    by ``shardings`` (a pytree of ``jax.sharding.Sharding`` matching ``params``), in which case each
+    device receives only its own slice of the host array."""
     dtype = jnp.dtype(dtype)
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), params)
+    if shardings is None:
+        return jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), params)
+    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x).astype(dtype, copy=False), s), params, shardings)
 
 
 def params_nbytes(params) -> int:

@@ -34,7 +34,9 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "jaxrunner-orbax"
-CHECKPOINT_FORMAT_VERSION = 1
+# 2: q/k/v grouped by KV head and gate/up interleaved (jaxrunner.models.params), so a checkpoint
+#    restores straight into any tensor-parallel sharding. Version 1 held [q | k | v], [gate | up].
+CHECKPOINT_FORMAT_VERSION = 2
 MARKER_FILE = "jaxrunner_checkpoint.json"
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -154,6 +156,10 @@ def read_checkpoint_info(src_dir: str | os.PathLike) -> dict:
         raise CheckpointError(
             f"{src}: checkpoint format version {info.get('format_version')} is newer than this "
             f"jaxrunner supports ({CHECKPOINT_FORMAT_VERSION})", src)
+    if int(info.get("format_version", -1)) < CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{src}: checkpoint format version {info.get('format_version')} stores the fused weights in an "
+            f"older layout; convert the original model again with `jaxrunner convert`", src)
     return info
 
 
