@@ -29,6 +29,8 @@ class EngineConfig:
         default_factory=lambda: os.environ.get(
             "JAXRUNNER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner", "xla")))
     min_token_bucket: int = 1
+    tensor_parallel_size: int = 1           # devices that split one model (heads, MLP, vocabulary)
+    data_parallel_size: int = 1             # independent engine replicas, each on its own devices
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class EngineConfig:
             ("memory_utilization", 0.0 < self.memory_utilization <= 1.0),
             ("warmup_inputs", self.warmup_inputs in ("random", "zeros")),
             ("quantization", self.quantization in (None, "int8")),
+            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1),
+            ("data_parallel_size", isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1),
         ]
         for name, ok in checks:
             if not ok:

@@ -21,6 +21,7 @@ from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, RequestOutput
+from jaxrunner.parallel import mesh as meshes
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.sampling_params import SamplingParams
 
@@ -41,11 +42,19 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+    """One engine: a scheduler and a runner on one mesh row (a device, or ``tensor_parallel_size``
+    devices). Data parallelism is several of these (``jaxrunner.engine.data_parallel``)."""
+
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, mesh=None):
         self.config = config
-        self.model = model or load_model(config.model, config.dtype, progress=config.progress)
+        if model is None:
+            if mesh is None:
+                meshes.check_device_count(config.tensor_parallel_size, 1)
+                mesh = meshes.build_mesh(config.tensor_parallel_size, 1)
+            model = load_model(config.model, config.dtype, progress=config.progress, mesh=mesh)
         if config.quantization == "int8":
-            self.model.params = quantize_params_int8(self.model.params)
+            model = dataclasses.replace(model, params=quantize_params_int8(model.params))
+        self.model = model
         self.tokenizer = self.model.tokenizer
         self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, self.model)
         spec = self.runner.cache_spec

@@ -15,6 +15,7 @@ import jax
 
 from jaxrunner.config import EngineConfig
 from jaxrunner.models.loader import LoadedModel
+from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
 from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
 from jaxrunner.runner import warmup
@@ -50,7 +51,7 @@ def resolve_max_model_len(config: EngineConfig, model: LoadedModel) -> int:
 
 
 def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KVCacheSpec, config,
-                              max_model_len: int) -> int:
+                              max_model_len: int, mesh) -> int:
     """Peak temporaries of the largest bucket, compiled once against a provisional small pool.
 
     Only where the device reports its memory (GPU, TPU): there the pool takes what is left, so the
@@ -59,26 +60,28 @@ def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KV
     """
     largest = max(plan.buckets())
     spec = dataclasses.replace(template, num_pages=largest.num_seqs * largest.num_pages + 1)
-    runner = ModelRunner(model.config, model.params, spec, config.attention_impl)
+    runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh)
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
                                       model.config.vocab_size, max_model_len)
     return int(runner.compile(largest, batch).get("temp_bytes", 0))
 
 
-def _choose_num_pages(config, model, plan, budget, template, max_model_len) -> tuple[int, str, int]:
-    """(num_pages, how it was chosen, activation bytes profiled)."""
+def _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh) -> tuple[int, str, int]:
+    """(num_pages, how it was chosen, activation bytes profiled), all per device of ``mesh``: each
+    holds its shard of the weights and ``1 / tp`` of every page (the pool is split by KV heads)."""
+    weights_bytes = max(sharding.bytes_per_device(model.params).values())
     if config.num_pages is not None:
-        warmup.check_weights_fit(budget, model.nbytes)
+        warmup.check_weights_fit(budget, weights_bytes)
         return config.num_pages, "num_pages given", 0
     activation_bytes = 0
     if budget.device_bytes is not None and config.kv_cache_memory_bytes is None:
-        warmup.check_weights_fit(budget, model.nbytes)
-        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len)
+        warmup.check_weights_fit(budget, weights_bytes)
+        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len, mesh)
     pages_per_seq = math.ceil(max_model_len / config.page_size)
     num_pages, how = warmup.size_kv_pool(
-        budget=budget, weights_bytes=model.nbytes, activation_bytes=activation_bytes,
-        bytes_per_page=template.bytes_per_page, max_useful_pages=config.max_num_seqs * pages_per_seq + 1,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+        budget=budget, weights_bytes=weights_bytes, activation_bytes=activation_bytes,
+        bytes_per_page=template.bytes_per_page // meshes.tensor_parallel_size(mesh),
+        max_useful_pages=config.max_num_seqs * pages_per_seq + 1, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     return num_pages, how, activation_bytes
 
 
@@ -94,13 +97,14 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                                   config.page_size, min_tokens=config.min_token_bucket)
     logger.info("bucket plan: %s", plan.describe())
     cfg = model.config
-    device = jax.devices()[0]
+    mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
+    device = mesh.devices.flat[0]
     budget = warmup.memory_budget(device, config.memory_utilization)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform))
-    num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len)
+    num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
     spec = dataclasses.replace(template, num_pages=num_pages)
-    runner = ModelRunner(cfg, model.params, spec, config.attention_impl, device=device)
+    runner = ModelRunner(cfg, model.params, spec, config.attention_impl, mesh=mesh)
     t_alloc = time.perf_counter()
 
     key = jax.random.key(config.seed)
@@ -112,6 +116,10 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
+    if model.kv_head_replication > 1:
+        logger.warning("tensor_parallel_size=%d exceeds the model's %d KV heads: each KV head is replicated onto %d "
+                       "shards (the KV pool holds %d heads)", report["tensor_parallel_size"],
+                       cfg.num_kv_heads // model.kv_head_replication, model.kv_head_replication, cfg.num_kv_heads)
     logger.info("start-up: %d buckets compiled in %.1f s, KV pool %d pages (%d tokens, %.1f MiB), attention %s",
                 len(buckets), report["compile_s_total"], num_pages, report["kv_tokens"],
                 spec.nbytes / 2**20, runner.attention_impl)
@@ -131,6 +139,12 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "dtype": config.dtype,
         "device": str(runner.device),
         "platform": runner.device.platform,
+        "mesh": meshes.describe(runner.mesh),
+        "tensor_parallel_size": meshes.tensor_parallel_size(runner.mesh),
+        "weights_bytes_per_device": max(sharding.bytes_per_device(runner.params).values()),
+        "kv_bytes_per_device": max(sharding.bytes_per_device(runner.kv_cache).values()),
+        "kv_heads": spec.num_kv_heads,
+        "kv_head_replication": model.kv_head_replication,
         "attention_impl": runner.attention_impl,
         "bucket_plan": plan.describe(),
         "buckets": per_bucket,

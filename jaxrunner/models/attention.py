@@ -6,11 +6,15 @@ keys/values into the paged KV cache and attends through ``jaxrunner.kernels``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrunner import kernels
+from jaxrunner.parallel.mesh import MODEL_AXIS
+from jaxrunner.parallel.sharding import KV_POOL_SPEC
 
 
 def dense_causal_attention(q, k, v, segment_ids, *, sm_scale, sliding_window=None):
@@ -42,14 +46,30 @@ class PagedAttention:
     """Write K/V into the page pool, then ragged paged attention over it.
 
     ``layer_cache`` is ``(k_pages, v_pages)``; ``meta`` holds ``slot_mapping``, ``kv_lens``,
-    ``page_indices``, ``cu_q_lens`` and ``num_seqs`` of the step's batch.
+    ``page_indices``, ``cu_q_lens`` and ``num_seqs`` of the step's batch. With a ``mesh``, heads and
+    the pool are split over its ``"model"`` axis and the kernels run per shard (``shard_map``) on
+    their local heads: attention needs no communication, since each shard owns whole KV-head groups.
     """
 
     impl: str = "auto"
+    mesh: object = None
 
     def __call__(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window=None):
+        meta = {name: meta[name] for name in META_KEYS}
+        local = functools.partial(self._local, sm_scale=sm_scale, sliding_window=sliding_window)
+        if self.mesh is None:
+            return local(q, k, v, layer_cache, meta)
+        heads, pool = P(None, MODEL_AXIS, None), KV_POOL_SPEC
+        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, (pool, pool), P()),
+                                out_specs=(heads, (pool, pool)), check_vma=False)
+        return sharded(q, k, v, layer_cache, meta)
+
+    def _local(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window):
         k_pages, v_pages = kernels.write_kv_pages(layer_cache[0], layer_cache[1], k, v, meta["slot_mapping"])
         out = kernels.ragged_paged_attention(
             q, k_pages, v_pages, meta["kv_lens"], meta["page_indices"], meta["cu_q_lens"],
             meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl)
         return out, (k_pages, v_pages)
+
+
+META_KEYS = ("slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")

@@ -1,26 +1,34 @@
-"""One entry point from a model name to (config, params, tokenizer), whatever the source format."""
+"""One entry point from a model name to (config, params, tokenizer), whatever the source format.
+
+With a ``mesh``, every tensor goes straight to its shards: host arrays are sliced per device, and
+an orbax checkpoint is restored directly into the target shardings.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
-from jaxrunner.models.params import cast_params, params_count, params_from_state_dict, params_nbytes
+from jaxrunner.models.params import cast_params, host_params_from_state_dict, params_count, params_nbytes
 
 logger = logging.getLogger("jaxrunner")
 
 
 @dataclasses.dataclass
 class LoadedModel:
-    config: ModelConfig
+    config: ModelConfig          # as served: KV heads already replicated for tensor parallelism
     hf_config: dict
     params: dict
     tokenizer: object
     source: ModelSource
     dtype: str
     load_seconds: float
+    mesh: object = None          # the jax.sharding.Mesh the params live on (None: default device)
+    kv_head_replication: int = 1  # >1: each KV head was copied onto this many tensor-parallel shards
 
     @property
     def num_params(self) -> int:
@@ -35,14 +43,14 @@ class LoadedModel:
                 f"{self.num_params / 1e6:.1f}M params, {self.nbytes / 2**20:.1f} MiB, {self.load_seconds:.2f} s")
 
 
-def _read_source(source: ModelSource, dtype: str, progress: bool):
-    """(hf_config, params, tokenizer) for one source kind."""
+def _read_host(source: ModelSource, progress: bool):
+    """(hf_config, host params, tokenizer) from any source kind."""
     if source.kind == "orbax":
         from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
 
-        params, hf_config, tokenizer = load_checkpoint(source.path, dtype=dtype)
+        params, hf_config, tokenizer = load_checkpoint(source.path)
         ModelConfig.from_hf_dict(hf_config, source=source.path)  # validate before use
-        return hf_config, cast_params(params, dtype), tokenizer
+        return hf_config, params, tokenizer
     if source.kind == "gguf":
         from jaxrunner.models.loading.gguf import load_gguf, load_gguf_tokenizer
 
@@ -55,14 +63,64 @@ def _read_source(source: ModelSource, dtype: str, progress: bool):
         ModelConfig.from_hf_dict(hf_config, source=source.path)  # fail on architecture before reading weights
         state, tokenizer = load_hf_state_dict(source.path, progress=progress), load_hf_tokenizer(source.path)
     cfg = ModelConfig.from_hf_dict(hf_config, source=source.path)
-    return hf_config, params_from_state_dict(state, cfg, dtype, source=source.path), tokenizer
+    return hf_config, host_params_from_state_dict(state, cfg, source=source.path), tokenizer
 
 
-def load_model(model: str, dtype: str = "float32", progress: bool = True) -> LoadedModel:
+def _orbax_config(source: ModelSource) -> ModelConfig | None:
+    """The config of an orbax checkpoint, read without touching its arrays (None for other kinds)."""
+    if source.kind != "orbax":
+        return None
+    from jaxrunner.models.loading.orbax_ckpt import CONFIG_FILE, read_checkpoint_info
+
+    read_checkpoint_info(source.path)
+    with open(os.path.join(source.path, CONFIG_FILE)) as f:
+        return ModelConfig.from_hf_dict(json.load(f), source=source.path)
+
+
+def _place(host_params, cfg: ModelConfig, dtype: str, mesh):
+    """Host params -> (device params, served config, KV replication), sharded over ``mesh`` if given."""
+    if mesh is None:
+        return cast_params(host_params, dtype), cfg, 1
+    from jaxrunner.parallel import mesh as meshes, sharding
+
+    tp = meshes.tensor_parallel_size(mesh)
+    meshes.check_tensor_parallel(cfg, tp)
+    host_params, served = sharding.replicate_kv_heads(host_params, cfg, tp)
+    params = cast_params(host_params, dtype, sharding.param_shardings(host_params, mesh, served))
+    return params, served, sharding.kv_replication(cfg, tp)
+
+
+def _restore_sharded(source: ModelSource, cfg: ModelConfig, dtype: str, mesh):
+    """An orbax checkpoint restored straight into its shardings: no full copy anywhere first."""
+    from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
+    from jaxrunner.parallel import sharding
+
+    params, hf_config, tokenizer = load_checkpoint(source.path, dtype=dtype,
+                                                   shardings=sharding.sharding_for_path(mesh, cfg))
+    return hf_config, params, tokenizer
+
+
+def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=None) -> LoadedModel:
+    """Load ``model`` as ``dtype``; with ``mesh`` (``("data", "model")`` axes, one data row), shard it."""
     source = resolve_model(model)
     start = time.perf_counter()
-    hf_config, params, tokenizer = _read_source(source, dtype, progress)
-    config = ModelConfig.from_hf_dict(hf_config, source=source.path)
-    loaded = LoadedModel(config, hf_config, params, tokenizer, source, dtype, time.perf_counter() - start)
+    orbax_cfg = _orbax_config(source)
+    if mesh is not None and orbax_cfg is not None:
+        from jaxrunner.parallel import mesh as meshes, sharding
+
+        tp = meshes.tensor_parallel_size(mesh)
+        meshes.check_tensor_parallel(orbax_cfg, tp)
+        direct = sharding.kv_replication(orbax_cfg, tp) == 1
+    else:
+        direct = False
+    if direct:
+        hf_config, params, tokenizer = _restore_sharded(source, orbax_cfg, dtype, mesh)
+        config, replication = orbax_cfg, 1
+    else:
+        hf_config, host, tokenizer = _read_host(source, progress)
+        params, config, replication = _place(host, ModelConfig.from_hf_dict(hf_config, source=source.path),
+                                             dtype, mesh)
+    loaded = LoadedModel(config, hf_config, params, tokenizer, source, dtype, time.perf_counter() - start,
+                         mesh, replication)
     logger.info(loaded.summary())
     return loaded

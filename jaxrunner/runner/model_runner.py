@@ -21,6 +21,7 @@ from jaxrunner import kernels
 from jaxrunner.models import llama
 from jaxrunner.models.attention import PagedAttention
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner import sampler
 
 
@@ -49,15 +50,19 @@ class KVCacheSpec:
     def nbytes(self) -> int:
         return self.num_pages * self.bytes_per_page
 
-    def allocate(self, device=None):
-        """One (k_pages, v_pages) pair per layer, zero-filled, on ``device``."""
+    def allocate(self, sharding=None):
+        """One (k_pages, v_pages) pair per layer, zero-filled, placed by ``sharding`` (or a device)."""
         shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        make = functools.partial(jnp.zeros, shape, jnp.dtype(self.dtype), device=device)
+        make = jax.jit(functools.partial(jnp.zeros, shape, jnp.dtype(self.dtype)), out_shardings=sharding)
         return [(make(), make()) for _ in range(self.num_layers)]
 
 
 class ModelRunner:
-    """Owns params and the KV cache on one device; runs packed batches through per-bucket executables.
+    """Owns params and the KV cache on one mesh; runs packed batches through per-bucket executables.
+
+    The mesh is ``("data", "model")`` with one data row: a single device, or ``tp`` devices that
+    split heads, MLP and vocabulary (``jaxrunner.parallel.sharding``). Every executable declares
+    the shardings of params, cache and batch, so nothing is re-laid out between steps.
 
     Executables are compiled ahead of time (``compile``), one per bucket, during warm-up; ``execute``
     only dispatches to them. A bucket that was not compiled is an error, never a silent compile in
@@ -65,16 +70,24 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
-                 device=None):
+                 mesh=None):
         self.cfg = cfg
-        self.params = params
         self.cache_spec = cache_spec
-        self.device = device or jax.devices()[0]
+        self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
+        self.device = self.mesh.devices.flat[0]
         self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform)
-        step = functools.partial(model_step, cfg=cfg, attention=PagedAttention(self.attention_impl))
-        self._jitted_step = jax.jit(step, donate_argnums=(1,))
+        sharded = meshes.tensor_parallel_size(self.mesh) > 1
+        attention = PagedAttention(self.attention_impl, self.mesh if sharded else None)
+        param_shardings = sharding.param_shardings(params, self.mesh, cfg)
+        pool = sharding.kv_pool_sharding(self.mesh)
+        cache_shardings = [(pool, pool)] * cache_spec.num_layers
+        self.batch_sharding = sharding.replicated(self.mesh)
+        self._jitted_step = jax.jit(functools.partial(model_step, cfg=cfg, attention=attention),
+                                    in_shardings=(param_shardings, cache_shardings, self.batch_sharding),
+                                    out_shardings=(self.batch_sharding, cache_shardings), donate_argnums=(1,))
         self._executables: dict = {}
-        self.kv_cache = cache_spec.allocate(self.device)
+        self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
+        self.kv_cache = cache_spec.allocate(pool)
 
     def lower(self, batch):
         return self._jitted_step.lower(self.params, self.kv_cache, batch)
@@ -118,8 +131,22 @@ class ModelRunner:
 
     def execute(self, bucket, batch) -> dict[str, np.ndarray]:
         """Run one step on a packed numpy batch; the only device→host copy is the sampled output."""
+        return self.fetch(self.dispatch(bucket, batch))
+
+    def dispatch(self, bucket, batch):
+        """Start one step (asynchronously) and return its device outputs; see ``fetch``."""
         executable = self._executables.get(bucket)
         if executable is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at warm-up")
+        if jax.process_count() > 1:  # every process passes the same batch as one global array
+            batch = jax.device_put(batch, self.batch_sharding)
         sampled, self.kv_cache = executable(self.params, self.kv_cache, batch)
-        return jax.device_get(sampled)
+        return sampled
+
+    @staticmethod
+    def fetch(sampled) -> dict[str, np.ndarray]:
+        """Device outputs of ``dispatch`` -> numpy. They are replicated, so every process reads its
+        own copy (under ``jax.distributed`` the mesh spans devices this process cannot address)."""
+        if all(x.is_fully_addressable for x in sampled.values()):
+            return jax.device_get(sampled)
+        return {name: np.asarray(x.addressable_data(0)) for name, x in sampled.items()}

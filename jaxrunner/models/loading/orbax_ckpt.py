@@ -170,7 +170,8 @@ def load_checkpoint(src_dir: str | os.PathLike, dtype=None, *, shardings=None,
     ``dtype``: cast every array on restore, e.g. ``"bfloat16"`` (``None`` keeps the saved dtypes,
     bit-identical).
     ``shardings``: ``None`` restores host numpy arrays; otherwise a pytree matching ``params`` of
-    ``jax.sharding.Sharding`` (or a single sharding for all leaves), restored as ``jax.Array``.
+    ``jax.sharding.Sharding`` (or a single sharding for all leaves, or a function of the leaf's key
+    path), restored as ``jax.Array`` with each device reading only its own slice.
     ``tokenizer`` is ``None`` when the checkpoint holds none (or ``load_tokenizer=False``).
     """
     import jax
@@ -210,6 +211,8 @@ def load_checkpoint(src_dir: str | os.PathLike, dtype=None, *, shardings=None,
     else:
         if isinstance(shardings, jax.sharding.Sharding):
             shard_tree = jax.tree_util.tree_map(lambda _: shardings, tree)
+        elif callable(shardings):  # key path -> sharding, for callers that do not know the tree
+            shard_tree = jax.tree_util.tree_map_with_path(lambda path, _: shardings(path), tree)
         else:
             shard_tree = shardings
         try:
