@@ -24,13 +24,29 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "xla", "reference"],
                         help="attention implementation (auto: pallas on GPU/TPU, xla on CPU)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="multi-host: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in all "
+                        "(default: $JAX_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index "
+                        "(default: $JAX_PROCESS_ID)")
     parser.add_argument("--verbose", action="store_true", help="log start-up details")
 
 
 def _engine_options(args) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
-                seed=getattr(args, "seed", 0), progress=sys.stderr.isatty())
+                seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
+                tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+
+
+def _join_cluster(args) -> None:
+    """Multi-host runs: every process runs the same command with its own --process-id."""
+    from jaxrunner.parallel import distributed
+
+    distributed.initialize_from_env(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _start(model: str, options: dict):
@@ -56,6 +72,7 @@ def _sampling(args):
 def cmd_generate(args) -> int:
     params = _sampling(args)  # validate flags before the model loads
     options = _engine_options(args)
+    _join_cluster(args)
     # A one-shot job knows its batch: no sequence bucket larger than the prompts is worth compiling.
     options["max_num_seqs"] = max(1, min(options["max_num_seqs"], len(args.prompt)))
     llm = _start(args.model, options)
@@ -75,6 +92,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     params = _sampling(args)
+    _join_cluster(args)
     llm = _start(args.model, _engine_options(args))
     if llm.get_tokenizer() is None or not getattr(llm.get_tokenizer(), "chat_template", None):
         raise ValueError(f"model {args.model!r} has no chat template; use `jaxrunner generate --raw`")

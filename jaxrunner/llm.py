@@ -1,4 +1,4 @@
-"""LLM: the vLLM-shaped front door (``generate``, ``chat``, ``stream``) over one LLMEngine."""
+"""LLM: the vLLM-shaped front door (``generate``, ``chat``, ``stream``) over one engine (or data-parallel replicas)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import itertools
 from typing import Iterator, Sequence
 
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
-from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.data_parallel import create_engine
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
@@ -19,7 +19,9 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        """``engine_options`` are EngineConfig's fields, e.g. ``dtype``, ``max_num_seqs``,
+        ``tensor_parallel_size`` (devices splitting the model) and ``data_parallel_size`` (replicas)."""
+        self.engine = create_engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
     @property

@@ -21,7 +21,7 @@ from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, RequestOutput
-from jaxrunner.parallel import mesh as meshes
+from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.sampling_params import SamplingParams
 
@@ -41,12 +41,19 @@ class _Tracked:
     stop_reason: int | str | None = None
 
 
+@dataclasses.dataclass
+class _PendingStep:
+    plan: object             # the scheduler's StepPlan
+    device_outputs: dict     # the runner's sampled arrays, possibly still being computed
+
+
 class LLMEngine:
     """One engine: a scheduler and a runner on one mesh row (a device, or ``tensor_parallel_size``
     devices). Data parallelism is several of these (``jaxrunner.engine.data_parallel``)."""
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, mesh=None):
         self.config = config
+        distributed.initialize_from_env()  # before any device is touched; a no-op unless configured
         if model is None:
             if mesh is None:
                 meshes.check_device_count(config.tensor_parallel_size, 1)
@@ -135,19 +142,35 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        return self.complete_step(self.launch_step())
+
+    def launch_step(self) -> "_PendingStep | None":
+        """Schedule and dispatch one step without waiting for the device (``None``: nothing to do).
+
+        Split from ``complete_step`` so a front end driving several replicas can start all of them
+        before it waits for any."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return None
         widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
         bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
         batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids)
-        sampled = self.runner.execute(bucket, batch)
+        return _PendingStep(plan, self.runner.dispatch(bucket, batch))
+
+    def complete_step(self, pending: "_PendingStep | None") -> list[RequestOutput]:
+        """Wait for a launched step, then append, detokenize and finish its requests."""
+        if pending is None:
+            return []
+        plan, sampled = pending.plan, self.runner.fetch(pending.device_outputs)
         self.scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
         self.num_steps += 1
         # chunk.sample was fixed when the plan was made, so appending tokens below cannot change it
         return [self._accept_token(chunk.request, sampled, row) for row, chunk in enumerate(plan.chunks)
                 if chunk.sample]
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
 
     def _accept_token(self, request: Request, sampled, row: int) -> RequestOutput:
         tracked = self._tracked[request.request_id]

@@ -98,7 +98,7 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     logger.info("bucket plan: %s", plan.describe())
     cfg = model.config
     mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
-    device = mesh.devices.flat[0]
+    device = meshes.local_device(mesh)
     budget = warmup.memory_budget(device, config.memory_utilization)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform))

@@ -73,6 +73,14 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
     return [Mesh(mesh.devices[i:i + 1], mesh.axis_names) for i in range(mesh.shape[DATA_AXIS])]
 
 
+def local_device(mesh: Mesh):
+    """The first device of ``mesh`` this process can address (for memory stats and the platform)."""
+    for device in mesh.devices.flat:
+        if device.process_index == jax.process_index():
+            return device
+    raise ValueError(f"mesh {describe(mesh)} holds no device of process {jax.process_index()}")
+
+
 def tensor_parallel_size(mesh: Mesh) -> int:
     return int(mesh.shape[MODEL_AXIS])
 

@@ -74,7 +74,7 @@ class ModelRunner:
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
-        self.device = self.mesh.devices.flat[0]
+        self.device = meshes.local_device(self.mesh)
         self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform)
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None)

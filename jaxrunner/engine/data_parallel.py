@@ -1,0 +1,111 @@
+"""Data parallelism: independent engine replicas, one per row of the ``("data", "model")`` mesh.
+
+Replicas share nothing at run time (each has its own scheduler, page pool and executables), so
+they need no communication; the front end sends each new request to the replica with the fewest
+unfinished requests, and one ``step`` launches every replica's step before waiting for any, so
+replicas on different devices compute at the same time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxrunner.config import EngineConfig
+from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.outputs import RequestOutput
+from jaxrunner.parallel import distributed, mesh as meshes, sharding
+
+
+def create_engine(config: EngineConfig):
+    """The engine a config asks for: one ``LLMEngine``, or a ``DataParallelEngine`` of several."""
+    distributed.initialize_from_env()
+    if config.data_parallel_size == 1:
+        return LLMEngine(config)
+    return DataParallelEngine(config)
+
+
+def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
+    """``model`` with its params copied onto another replica's mesh (device to device)."""
+    if mesh is model.mesh:
+        return model
+    params = jax.device_put(model.params, sharding.param_shardings(model.params, mesh, model.config))
+    return dataclasses.replace(model, params=params, mesh=mesh)
+
+
+class DataParallelEngine:
+    """``data_parallel_size`` LLMEngines behind the engine API (add_request / step / abort)."""
+
+    def __init__(self, config: EngineConfig):
+        tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        meshes.check_device_count(tp, dp)
+        if jax.process_count() > 1:
+            raise ValueError(f"data_parallel_size={dp} with {jax.process_count()} processes: a replica would be "
+                             f"driven by one host only; run one engine per host for data parallelism and use "
+                             f"jax.distributed for tensor parallelism across hosts")
+        self.config = config
+        self.mesh = meshes.build_mesh(tp, dp)
+        rows = meshes.replica_meshes(self.mesh)
+        base = load_model(config.model, config.dtype, progress=config.progress, mesh=rows[0])
+        self.replicas = [LLMEngine(config, _on_mesh(base, row), row) for row in rows]
+        self._replica_of: dict[str, LLMEngine] = {}
+
+    # the single-engine attributes front ends read, from the first replica (all are alike)
+    @property
+    def model(self) -> LoadedModel:
+        return self.replicas[0].model
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def startup_report(self) -> dict:
+        report = dict(self.replicas[0].startup_report)
+        report.update(data_parallel_size=len(self.replicas), global_mesh=meshes.describe(self.mesh),
+                      replica_compile_s_total=[r.startup_report["compile_s_total"] for r in self.replicas])
+        return report
+
+    def add_request(self, request_id: str, prompt, sampling_params=None) -> None:
+        """Queue on the least-loaded replica (fewest unfinished requests; ties to the lowest index)."""
+        request_id = str(request_id)
+        if request_id in self._replica_of:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        replica = min(self.replicas, key=LLMEngine.num_unfinished_requests)
+        replica.add_request(request_id, prompt, sampling_params)
+        self._replica_of[request_id] = replica
+
+    def abort_request(self, request_id: str) -> None:
+        replica = self._replica_of.pop(str(request_id), None)
+        if replica is not None:
+            replica.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def num_unfinished_requests(self) -> int:
+        return sum(r.num_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        pending = [replica.launch_step() for replica in self.replicas]  # all dispatched before any wait
+        outputs = []
+        for replica, launched in zip(self.replicas, pending):
+            outputs.extend(replica.complete_step(launched))
+        for output in outputs:
+            if output.finished:
+                self._replica_of.pop(output.request_id, None)
+        return outputs
+
+    def stats(self) -> dict:
+        per_replica = [r.stats() for r in self.replicas]
+        summed = ("num_steps", "prefix_cache_hit_tokens", "num_preemptions", "pages_in_use", "pages_total",
+                  "num_unfinished")
+        stats = {key: sum(s[key] for s in per_replica) for key in summed}
+        stats.update(tokens_per_step=[t for s in per_replica for t in s["tokens_per_step"]],
+                     max_pages_per_seq=per_replica[0]["max_pages_per_seq"], replicas=per_replica)
+        return stats
