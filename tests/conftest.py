@@ -17,12 +17,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_hf_config(family: str, vocab_size: int = 512):
-    """A small config of the given family (GQA 4/2 heads, head_dim 16, 2 layers)."""
+def tiny_hf_config(family: str, vocab_size: int = 512, num_heads: int = 4, num_kv_heads: int = 2):
+    """A small config of the given family (GQA 4/2 heads by default, hidden 64, 2 layers)."""
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if family == "llama":
         return transformers.LlamaConfig(**common, rope_theta=10000.0)
@@ -56,13 +56,14 @@ def train_tiny_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def build_tiny_checkpoint(path, family: str = "llama", seed: int = 0, tied: bool = False) -> str:
-    """Random-weight checkpoint of ``family`` saved as an HF directory at ``path``."""
+def build_tiny_checkpoint(path, family: str = "llama", seed: int = 0, tied: bool = False, **heads) -> str:
+    """Random-weight checkpoint of ``family`` saved as an HF directory at ``path`` (``heads``:
+    ``num_heads`` / ``num_kv_heads`` overrides)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(family)
+    config = tiny_hf_config(family, **heads)
     config.tie_word_embeddings = tied
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # HF inits tiny models near zero: widen so logits are not flat

@@ -1,0 +1,81 @@
+"""Run in a subprocess by test_parallel.py, with XLA_FLAGS set to make 8 CPU devices.
+
+``python parallel_worker.py SCENARIO ARG`` prints one JSON object on its last stdout line. The
+device count is fixed when JAX starts, so these scenarios cannot run inside the pytest process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_helpers import TINY_ENGINE, count_compilations, random_prompts, token_ids  # noqa: E402
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _serve(model: str, prompts, max_tokens: int, engine: dict, **parallel) -> dict:
+    """Start an engine, serve ``prompts`` greedily; what the tests compare."""
+    from jaxrunner import LLM, SamplingParams
+
+    llm = LLM(model, **engine, **parallel)
+    with count_compilations() as compiles:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
+    report = llm.startup_report
+    return {"tokens": token_ids(outputs), "serving_compiles": len(compiles),
+            "weights_bytes_per_device": report["weights_bytes_per_device"],
+            "kv_bytes_per_device": report["kv_bytes_per_device"], "kv_heads": report["kv_heads"],
+            "kv_head_replication": report["kv_head_replication"], "weights_bytes": report["weights_bytes"],
+            "mesh": report.get("global_mesh", report["mesh"]), "pages_in_use": llm.engine.stats()["pages_in_use"]}
+
+
+def _error(**options) -> str:
+    from jaxrunner import LLM
+
+    try:
+        LLM(**options)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def tiny(model_dir: str) -> dict:
+    """8 query / 2 KV heads: TP 2 splits KV heads, TP 4 replicates them; DP 2 × TP 2; bad meshes."""
+    prompts = random_prompts(6, 512, 3, 40, seed=1)
+    results = {f"tp{tp}_dp{dp}": _serve(model_dir, prompts, 12, TINY_ENGINE, tensor_parallel_size=tp,
+                                        data_parallel_size=dp)
+               for tp, dp in ((1, 1), (2, 1), (4, 1), (2, 2))}
+    results["error_tp3"] = _error(model=model_dir, **TINY_ENGINE, tensor_parallel_size=3)
+    results["error_too_many"] = _error(model=model_dir, **TINY_ENGINE, tensor_parallel_size=4, data_parallel_size=4)
+    return results
+
+
+def smollm2(gguf_path: str) -> dict:
+    """The real model (9 query / 3 KV heads): TP 3, DP 2 and TP 3 × DP 2 against one device.
+
+    Loaded once from the GGUF and written as an orbax checkpoint, which every engine then restores
+    straight into its own shardings.
+    """
+    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
+
+    checkpoint = os.path.join(tempfile.mkdtemp(), "smollm2")
+    model = load_model(gguf_path, progress=False)
+    save_checkpoint(checkpoint, model.params, model.hf_config, model.tokenizer)
+    prompts = [{"prompt_token_ids": model.tokenizer.encode(text)} for text in
+               ("The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time")]
+    del model
+    # two buckets per engine (32 tokens × 1 or 4 sequences): the 30-layer compiles dominate here
+    engine = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32, max_model_len=64,
+                  num_pages=40)
+    return {f"tp{tp}_dp{dp}": _serve(checkpoint, prompts, 8, engine, tensor_parallel_size=tp, data_parallel_size=dp)
+            for tp, dp in ((1, 1), (3, 1), (1, 2), (3, 2))}
+
+
+if __name__ == "__main__":
+    scenario, arg = sys.argv[1], sys.argv[2]
+    result = {"tiny": tiny, "smollm2": smollm2}[scenario](arg)
+    print(json.dumps(result))
