@@ -46,8 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "xla", "reference"])
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices to shard over (reserved: only 1 is implemented)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA cache (default: $JAXRUNNER_COMPILATION_CACHE or ~/.cache/jaxrunner/xla)")
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and the engine")
@@ -97,9 +97,6 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
 
     ``strict``: ``max_total_len`` is exact (else an estimate, checked once prompts are tokenized).
     """
-    if args.tensor_parallel_size != 1:
-        raise NotImplementedError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism "
-                                  "is reserved and not implemented yet (use 1)")
     max_model_len = args.max_model_len or round_up(max_total_len, args.page_size)
     if strict and max_total_len > max_model_len:
         raise BenchError(f"--max-model-len {max_model_len}: the workload's longest request needs "
@@ -110,7 +107,8 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
                    max_model_len=max_model_len, page_size=args.page_size,
                    enable_prefix_caching=not args.no_prefix_caching,
                    enable_chunked_prefill=not args.no_chunked_prefill, attention_impl=args.attention_impl,
-                   seed=args.seed, progress=show_progress(args))
+                   seed=args.seed, progress=show_progress(args), tensor_parallel_size=args.tensor_parallel_size,
+                   data_parallel_size=args.data_parallel_size)
     if args.num_pages is not None:
         options["num_pages"] = args.num_pages
     if args.compilation_cache_dir:
