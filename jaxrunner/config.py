@@ -16,6 +16,7 @@ class EngineConfig:
     num_pages: int | None = None           # overrides memory-based sizing of the KV pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_num_prefill_seqs: int | None = 8   # most prefill chunks (>1 token) in one step; None: no limit
     max_model_len: int | None = 2048        # capped by the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -39,6 +40,7 @@ class EngineConfig:
             ("page_size", self.page_size >= 1),
             ("max_num_seqs", self.max_num_seqs >= 1),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
+            ("max_num_prefill_seqs", self.max_num_prefill_seqs is None or self.max_num_prefill_seqs >= 1),
             ("num_pages", self.num_pages is None or self.num_pages >= 2),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1),
             ("attention_impl", self.attention_impl in ("auto", "pallas", "xla", "reference")),

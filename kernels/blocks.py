@@ -68,13 +68,15 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
 
 
-def query_blocks(cu, q_lens, num_tokens: int, block_q: int) -> QueryBlocks:
+def query_blocks(cu, q_lens, num_tokens: int, block_q: int, num_blocks: int | None = None) -> QueryBlocks:
     """Cut the packed query rows into single-sequence blocks of ``block_q`` rows (on device).
 
-    ``cu``/``q_lens`` come from :func:`sanitize`.
+    ``cu``/``q_lens`` come from :func:`sanitize`; ``q_lens`` may be zeroed for sequences a pass
+    skips (their tokens then map to no block). ``num_blocks`` overrides the static bound when the
+    caller knows a tighter one.
     """
     n_seq = q_lens.shape[0]
-    nb = num_query_blocks(num_tokens, n_seq, block_q)
+    nb = num_blocks or num_query_blocks(num_tokens, n_seq, block_q)
     blocks_per_seq = (q_lens + block_q - 1) // block_q
     blk_end = jnp.cumsum(blocks_per_seq, dtype=jnp.int32)  # inclusive
     blk_begin = blk_end - blocks_per_seq
@@ -117,3 +119,20 @@ def choose_block_q(num_tokens: int, num_seqs: int, group: int, *, kv_weight: flo
         bq *= 2
     return best
 
+
+
+def choose_prefill_block_q(num_tokens: int, num_prefill_seqs: int, group: int, *, kv_weight: float = 1.0,
+                           max_block_q: int = 128) -> int:
+    """Block size for a pass over at most ``num_prefill_seqs`` sequences holding ``num_tokens`` rows.
+
+    Same cost model as :func:`choose_block_q`, with the tighter block bound
+    ``ceil(T / bq) + num_prefill_seqs`` (each sequence wastes at most one partial block).
+    """
+    best, best_cost = 1, None
+    bq = 1
+    while bq <= max(1, min(max_block_q, num_tokens)):
+        cost = (-(-num_tokens // bq) + num_prefill_seqs) * (bq * group + kv_weight)
+        if best_cost is None or cost < best_cost * 0.999:
+            best, best_cost = bq, cost
+        bq *= 2
+    return best

@@ -47,11 +47,14 @@ def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, slid
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, impl="auto"):
+                           sm_scale, sliding_window=None, soft_cap=None, impl="auto", max_prefill_seqs=None):
     """Attention of packed ragged queries over a paged KV cache (see docs/architecture.md).
 
     q [T, Hq, D]; k_pages/v_pages [P, page_size, Hkv, D]; kv_lens [S]; page_indices [S, W];
     cu_q_lens [S+1]; num_seqs scalar. Returns [T, Hq, D] in q's dtype (f32 accumulation).
+    ``max_prefill_seqs`` (static): a promise that at most this many sequences have more than one
+    query token; the xla path then runs decodes and prefill chunks in separate passes (others
+    ignore it). Breaking the promise gives wrong outputs: the engine's scheduler enforces it.
     """
     _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
            soft_cap)
@@ -63,6 +66,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
     elif impl == "xla":
         from jaxrunner.kernels.xla import ragged_paged_attention_xla as fn
+        kw["max_prefill_seqs"] = max_prefill_seqs
     else:
         from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
     return fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)

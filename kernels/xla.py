@@ -34,13 +34,16 @@ Why this shape:
   the 4-D gather. The tiny block metadata goes through an ``optimization_barrier`` first, or XLA
   fuses its index arithmetic into the big gathers and recomputes it per element.
 * Two dot formulations, chosen statically:
-  - ``block_q == 1`` (decode): "blockdiag". A dot with a batch dim over kv heads makes XLA:CPU
+  - ``block_q == 1`` and fewer than 16 blocks (small decode batches, batch-1 latency): "blockdiag". A dot with a batch dim over kv heads makes XLA:CPU
     transpose the gathered K/V (heads are not major in the pool layout). Instead each block does
     ONE plain matmul on the pool-native layout: K as ``[rows, Hkv*D]`` times a block-diagonal
     ``[Hkv*D, Hkv*G]`` query matrix (and P^T V the same way, keeping the diagonal blocks).
     Hkv x the flops, but decode is memory-bound.
-  - ``block_q > 1`` (prefill / mixed): "dot", batched over (block, kv head); the dots are big
-    enough that blockdiag's extra flops lose.
+  - ``block_q > 1`` (prefill / mixed), and decode batches of 16+ sequences: "dot", batched over
+    (block, kv head); blockdiag's Hkv x flops lose once there are many blocks. Wide decode
+    batches walk 32 cache rows per step (measured, SmolLM2 heads, 64 sequences of kv 150..400:
+    6.0 ms vs 11.0 ms for blockdiag with 64 rows; at 1 sequence blockdiag stays ahead, 0.15 vs
+    0.24 ms).
 * Masked scores use ``where(mask, s, -inf)`` with a guarded max, and V rows past ``kv_len``
   are zeroed, so rows with nothing to attend to (padding) come out as finite zeros and
   non-finite garbage in cache slots no live token owns cannot leak into outputs (``0 * NaN``).
@@ -51,20 +54,26 @@ Hq 9 / Hkv 3, D 64, page 16, f32: ~13 ms vs ~39 ms for the reference; prefill 4 
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.kernels.blocks import choose_block_q, query_blocks, sanitize
+from jaxrunner.kernels.blocks import choose_block_q, choose_prefill_block_q, query_blocks, sanitize
 
 
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _chunk_rows(num_blocks: int, row_width: int, formulation: str, budget=8 << 20) -> int:
-    """Cache rows per loop step: 64 (decode) / 128 (prefill) rows, halved while one step's
-    gathered K chunk (f32) would exceed ``budget`` bytes -- it should stay cache-resident between
-    the gather and the dots (measured optimum on XLA:CPU, 2 cores)."""
+BLOCKDIAG_MAX_BLOCKS = 16  # decode batches of at least this many sequences use "dot" (measured)
+
+
+def _chunk_rows(num_blocks: int, row_width: int, formulation: str, budget=2 << 20) -> int:
+    """Cache rows per loop step: 64 (blockdiag) / 128 (dot) rows, halved while one step's gathered
+    K chunk (f32) would exceed ``budget`` bytes -- it should stay resident in a core's L2 (2 MB
+    here) between the gather and the dots. Measured on XLA:CPU, 2 cores: an 8 MB budget made wide
+    decode and mixed batches 1.5-2x slower (64 blocks walked 128 rows a step instead of 32)."""
     rows = 64 if formulation == "blockdiag" else 128
     while rows > 8 and num_blocks * rows * row_width * 4 > budget:
         rows //= 2
@@ -73,19 +82,41 @@ def _chunk_rows(num_blocks: int, row_width: int, formulation: str, budget=8 << 2
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                *, sm_scale, sliding_window=None, soft_cap=None, block_q=None,
-                               formulation=None, chunk_rows=None):
+                               formulation=None, chunk_rows=None, max_prefill_seqs=None):
+    """See the module docstring. ``max_prefill_seqs``: a promise that at most this many sequences
+    have more than one query token; a bucket that can hold prefill chunks (``T > S``) then runs
+    decodes and prefill chunks as two passes with their own block sizes."""
+    num_tokens, num_q_heads, _ = q.shape
+    n_seq = page_indices.shape[0]
+    group = num_q_heads // k_pages.shape[2]
+    cu, q_lens, kv, _ = sanitize(kv_lens, cu_q_lens, num_seqs)
+    attend = functools.partial(_attend, q, k_pages, v_pages, kv, cu, page_indices, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap, chunk_rows=chunk_rows)
+    if max_prefill_seqs is None or block_q is not None or num_tokens <= n_seq:
+        # kv_weight=32: fitted on XLA:CPU (streaming one block's K/V costs about as much as 32
+        # query rows of dots; scripts/bench_attention.py --sweep-block-q re-measures).
+        bq = block_q or choose_block_q(num_tokens, n_seq, group, kv_weight=32.0)
+        return attend(q_lens, bq, None, formulation)
+    prefills = min(max_prefill_seqs, n_seq)
+    bq = choose_prefill_block_q(num_tokens, prefills, group, kv_weight=32.0)
+    is_decode = q_lens == 1
+    decode_out = attend(jnp.where(is_decode, q_lens, 0), 1, n_seq, formulation)
+    prefill_out = attend(jnp.where(is_decode, 0, q_lens), bq, -(-num_tokens // bq) + prefills, None)
+    token_seq = jnp.sum((cu[1:][None, :] <= jnp.arange(num_tokens, dtype=jnp.int32)[:, None]), axis=1)
+    token_is_decode = is_decode[jnp.minimum(token_seq, n_seq - 1)]
+    return jnp.where(token_is_decode[:, None, None], decode_out, prefill_out)
+
+
+def _attend(q, k_pages, v_pages, kv, cu, page_indices, q_lens, bq, nb, formulation, *, sm_scale,
+            sliding_window, soft_cap, chunk_rows):
+    """One pass: the sequences with ``q_lens > 0``, in blocks of ``bq`` rows (at most ``nb``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
-    n_seq, width = page_indices.shape
+    width = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
-
-    cu, q_lens, kv, _ = sanitize(kv_lens, cu_q_lens, num_seqs)
-    # kv_weight=32: fitted on XLA:CPU (streaming one block's K/V costs about as much as 32
-    # query rows of dots; scripts/bench_attention.py --sweep-block-q re-measures).
-    bq = block_q or choose_block_q(num_tokens, n_seq, group, kv_weight=32.0)
-    qb = query_blocks(cu, q_lens, num_tokens, bq)
+    qb = query_blocks(cu, q_lens, num_tokens, bq, nb)
     nb = qb.num_blocks
-    formulation = formulation or ("blockdiag" if bq == 1 else "dot")
+    formulation = formulation or ("blockdiag" if bq == 1 and nb < BLOCKDIAG_MAX_BLOCKS else "dot")
     if formulation not in ("blockdiag", "dot"):
         raise ValueError(f"formulation must be 'blockdiag' or 'dot', got {formulation!r}")
 

@@ -50,6 +50,23 @@ def test_chunked_prefill_on_and_off_agree(tiny_checkpoints, prompts, alone, chun
     assert_no_pages_held(other)
 
 
+def test_one_prefill_per_step_keeps_outputs(tiny_checkpoints, prompts, alone):
+    """max_num_prefill_seqs=1: the scheduler admits one prefill chunk per step and the attention's
+    prefill pass is sized for one sequence; outputs must not change."""
+    capped = make_llm(tiny_checkpoints["llama"], max_num_prefill_seqs=1)
+    plans = []
+    schedule = capped.engine.scheduler.schedule
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    capped.engine.scheduler.schedule = recording_schedule
+    assert token_ids(capped.generate(prompts[:12], GREEDY, use_tqdm=False)) == alone[:12]
+    assert max(sum(c.num_tokens > 1 for c in plan.chunks) for plan in plans) == 1
+    assert_no_pages_held(capped)
+
+
 def test_preemption_keeps_outputs(tiny_checkpoints, prompts, alone):
     small = make_llm(tiny_checkpoints["llama"], num_pages=24)  # 23 usable pages of 8 tokens
     outputs = token_ids(small.generate(prompts[:12], GREEDY, use_tqdm=False))

@@ -197,6 +197,28 @@ def test_xla_random_batches(data):
 
 
 _jit_xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3))
+_jit_xla_two_pass = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3, max_prefill_seqs=2))
+_jit_xla_two_pass_window = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3, max_prefill_seqs=2,
+                                                     sliding_window=6))
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_xla_two_pass_random_batches(data):
+    """With the scheduler's promise of at most 2 prefill chunks, decodes and prefills run as two
+    passes (T=24 > S=6); any mix within the promise matches the oracle, windowed too."""
+    num_decodes = data.draw(st.integers(0, 6))
+    prefills = data.draw(st.lists(st.integers(2, 9), max_size=min(2, 6 - num_decodes)))
+    q_lens = [1] * num_decodes + prefills
+    if not q_lens:
+        q_lens = [1]
+    data.draw(st.randoms()).shuffle(q_lens)
+    kv_lens = [ql + data.draw(st.integers(0, 20 - ql)) for ql in q_lens]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    case = make_case(rng, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=4, num_pages=40, width=5, num_tokens=24, max_seqs=6)
+    check(_jit_xla_two_pass(*case.args()), case, "float32", sm_scale=0.3)
+    check(_jit_xla_two_pass_window(*case.args()), case, "float32", sm_scale=0.3, sliding_window=6)
 
 
 def pool_sized_ops(hlo: str, pool_shape) -> list:

@@ -69,6 +69,8 @@ class FakeEngine:
         config = self.config
         assert plan.num_batched_tokens <= config.max_num_batched_tokens
         assert len(plan.chunks) <= config.max_num_seqs
+        if config.max_num_prefill_seqs is not None:
+            assert sum(c.num_tokens > 1 for c in plan.chunks) <= config.max_num_prefill_seqs
         assert len({id(c.request) for c in plan.chunks}) == len(plan.chunks)
         for chunk in plan.chunks:
             request = chunk.request
@@ -452,6 +454,7 @@ def workloads(draw):
         num_pages=num_pages,
         enable_prefix_caching=draw(st.booleans()),
         enable_chunked_prefill=draw(st.booleans()),
+        max_num_prefill_seqs=draw(st.none() | st.integers(1, 3)),
     )
     return config, requests, draw(st.integers(0, 2**16))
 

@@ -69,7 +69,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len, page_size=spec.page_size, num_pages=spec.num_pages,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            max_num_prefill_seqs=config.max_num_prefill_seqs),
             PageAllocator(spec.num_pages, spec.page_size, config.enable_prefix_caching))
         self.eos_token_ids = self._eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
@@ -154,7 +155,8 @@ class LLMEngine:
             return None
         widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
         bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
-        batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids)
+        batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids,
+                          self.config.max_num_prefill_seqs)
         return _PendingStep(plan, self.runner.dispatch(bucket, batch))
 
     def complete_step(self, pending: "_PendingStep | None") -> list[RequestOutput]:

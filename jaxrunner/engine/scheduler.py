@@ -35,12 +35,18 @@ class SchedulerConfig:
     num_pages: int  # including the scratch page
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Most chunks of more than one token in a step (None: no limit). The CPU attention runs
+    # decodes and prefill chunks in separate passes and sizes the prefill pass by this bound.
+    max_num_prefill_seqs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"SchedulerConfig.{name}={value!r}: must be at least 1")
+        if self.max_num_prefill_seqs is not None and self.max_num_prefill_seqs < 1:
+            raise ValueError(f"SchedulerConfig.max_num_prefill_seqs={self.max_num_prefill_seqs!r}: must be at "
+                             "least 1 (or None for no limit)")
         if self.num_pages < 2:
             raise ValueError(f"SchedulerConfig.num_pages={self.num_pages!r}: must be at least 2 "
                              "(page 0 is the scratch page)")
@@ -84,19 +90,26 @@ class StepPlan:
 class _StepBuilder:
     """A step being planned: its chunks (one per request) and the token budget left."""
 
-    def __init__(self, token_budget: int):
+    def __init__(self, token_budget: int, max_prefills: int | None):
         self.token_budget = token_budget
+        self.max_prefills = max_prefills
+        self.num_prefills = 0  # chunks of more than one token
         self.chunks: dict[Request, ScheduledChunk] = {}  # insertion order is batch order
         self.preempted: list[Request] = []
+
+    def has_prefill_slot(self, num_tokens: int) -> bool:
+        return num_tokens <= 1 or self.max_prefills is None or self.num_prefills < self.max_prefills
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.chunks[request] = ScheduledChunk(request, request.num_computed_tokens, num_tokens)
         self.token_budget -= num_tokens
+        self.num_prefills += num_tokens > 1
 
     def remove(self, request: Request) -> None:
         chunk = self.chunks.pop(request, None)
         if chunk is not None:
             self.token_budget += chunk.num_tokens
+            self.num_prefills -= chunk.num_tokens > 1
 
     def build(self) -> StepPlan:
         return StepPlan(list(self.chunks.values()), self.preempted)
@@ -161,7 +174,7 @@ class Scheduler:
     # -- planning a step ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs)
         self._schedule_running(step)
         if not step.preempted:  # pages are short: don't let newcomers take what was just freed
             self._admit_waiting(step)
@@ -189,7 +202,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
             num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
-            if num_new == 0:
+            if num_new == 0 or not step.has_prefill_slot(num_new):
                 continue
             if self._make_room(request, num_new, step):
                 self.allocator.append(request, num_new)
@@ -203,7 +216,8 @@ class Scheduler:
             cached_pages = self.allocator.find_cached_prefix(request)
             num_cached = len(cached_pages) * page_size
             num_new = self._chunk_size(request.num_tokens - num_cached, step.token_budget)
-            if num_new == 0 or not self.allocator.can_admit(cached_pages, num_cached + num_new):
+            if num_new == 0 or not step.has_prefill_slot(num_new) \
+                    or not self.allocator.can_admit(cached_pages, num_cached + num_new):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.allocator.allocate_prefix(request, cached_pages)

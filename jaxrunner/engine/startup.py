@@ -60,9 +60,10 @@ def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KV
     """
     largest = max(plan.buckets())
     spec = dataclasses.replace(template, num_pages=largest.num_seqs * largest.num_pages + 1)
-    runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh)
+    runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh,
+                         max_prefill_seqs=config.max_num_prefill_seqs)
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
-                                      model.config.vocab_size, max_model_len)
+                                      model.config.vocab_size, max_model_len, config.max_num_prefill_seqs)
     return int(runner.compile(largest, batch).get("temp_bytes", 0))
 
 
@@ -104,15 +105,18 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                            config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
     spec = dataclasses.replace(template, num_pages=num_pages)
-    runner = ModelRunner(cfg, model.params, spec, config.attention_impl, mesh=mesh)
+    runner = ModelRunner(cfg, model.params, spec, config.attention_impl, mesh=mesh,
+                         max_prefill_seqs=config.max_num_prefill_seqs)
     t_alloc = time.perf_counter()
 
     key = jax.random.key(config.seed)
     buckets = plan.buckets()
     per_bucket = warmup.warm_up(runner, buckets, key=key, mode=config.warmup_inputs, page_size=config.page_size,
-                                vocab_size=cfg.vocab_size, max_model_len=max_model_len, progress=config.progress)
+                                vocab_size=cfg.vocab_size, max_model_len=max_model_len, progress=config.progress,
+                                max_prefill_seqs=config.max_num_prefill_seqs)
     check_error = warmup.attention_self_check(runner.attention_impl, buckets[-1], config.page_size, cfg.num_heads,
-                                              cfg.num_kv_heads, cfg.head_dim, spec.dtype, jax.random.fold_in(key, len(buckets)))
+                                              cfg.num_kv_heads, cfg.head_dim, spec.dtype, jax.random.fold_in(key, len(buckets)),
+                                              config.max_num_prefill_seqs)
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)

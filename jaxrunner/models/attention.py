@@ -53,6 +53,7 @@ class PagedAttention:
 
     impl: str = "auto"
     mesh: object = None
+    max_prefill_seqs: int | None = None  # the scheduler's per-step bound (see kernels.dispatch)
 
     def __call__(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window=None):
         meta = {name: meta[name] for name in META_KEYS}
@@ -68,7 +69,8 @@ class PagedAttention:
         k_pages, v_pages = kernels.write_kv_pages(layer_cache[0], layer_cache[1], k, v, meta["slot_mapping"])
         out = kernels.ragged_paged_attention(
             q, k_pages, v_pages, meta["kv_lens"], meta["page_indices"], meta["cu_q_lens"],
-            meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl)
+            meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl,
+            max_prefill_seqs=self.max_prefill_seqs)
         return out, (k_pages, v_pages)
 
 

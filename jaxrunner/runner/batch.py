@@ -69,8 +69,16 @@ def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
         sampling["banned"][row, :len(banned)] = banned
 
 
-def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=()) -> dict[str, np.ndarray]:
-    """Lay out the scheduled chunks (decodes and prefill chunks alike) back to back."""
+def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
+              max_prefill_seqs: int | None = None) -> dict[str, np.ndarray]:
+    """Lay out the scheduled chunks (decodes and prefill chunks alike) back to back.
+
+    ``max_prefill_seqs`` is the bound the executables were compiled with: a plan that breaks it
+    would silently drop attention blocks, so it is refused here.
+    """
+    prefills = sum(chunk.num_tokens > 1 for chunk in chunks)
+    if max_prefill_seqs is not None and prefills > max_prefill_seqs:
+        raise RuntimeError(f"step plan has {prefills} prefill chunks, the executables allow {max_prefill_seqs}")
     batch = empty_batch(bucket, page_size)
     cursor = 0
     for row, chunk in enumerate(chunks):

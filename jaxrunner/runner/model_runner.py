@@ -70,14 +70,14 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
-                 mesh=None):
+                 mesh=None, max_prefill_seqs: int | None = None):
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
         self.device = meshes.local_device(self.mesh)
         self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform)
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
-        attention = PagedAttention(self.attention_impl, self.mesh if sharded else None)
+        attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
         param_shardings = sharding.param_shardings(params, self.mesh, cfg)
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool, pool)] * cache_spec.num_layers

@@ -32,9 +32,13 @@ class StartupError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- dummy batches
-def _split_tokens(rng: np.random.Generator, num_tokens: int, num_seqs: int) -> np.ndarray:
-    """Random query lengths: a mix of decodes (1 token) and prefill chunks summing to <= num_tokens."""
+def _split_tokens(rng: np.random.Generator, num_tokens: int, num_seqs: int,
+                  max_prefill_seqs: int | None = None) -> np.ndarray:
+    """Random query lengths: a mix of decodes (1 token) and prefill chunks summing to <= num_tokens,
+    with at most ``max_prefill_seqs`` prefill chunks (the scheduler's bound)."""
     is_decode = rng.random(num_seqs) < 0.5
+    if max_prefill_seqs is not None:
+        is_decode[np.flatnonzero(~is_decode)[max_prefill_seqs:]] = True
     q_lens = np.ones(num_seqs, np.int64)
     prefill = np.flatnonzero(~is_decode)
     spare = num_tokens - num_seqs
@@ -68,13 +72,13 @@ def _fill_random_sampling(rng: np.random.Generator, sampling: dict, num_seqs: in
 
 
 def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
-                       max_model_len: int) -> dict:
+                       max_model_len: int, max_prefill_seqs: int | None = None) -> dict:
     """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring)."""
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
     rng = np.random.default_rng(seed)
     batch = empty_batch(bucket, page_size)
     num_seqs = int(rng.integers(1, bucket.num_seqs + 1))
-    q_lens = _split_tokens(rng, bucket.num_tokens, num_seqs)
+    q_lens = _split_tokens(rng, bucket.num_tokens, num_seqs, max_prefill_seqs)
     max_len = min(max_model_len, bucket.num_pages * page_size)
     cursor = 0
     for s, q_len in enumerate(q_lens):
@@ -167,13 +171,14 @@ def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: 
 
 # ----------------------------------------------------------------------------- self-check
 def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int,
-                         head_dim: int, dtype, key: jax.Array) -> float:
+                         head_dim: int, dtype, key: jax.Array, max_prefill_seqs: int | None = None) -> float:
     """Compare the serving attention impl with the reference on a random case of ``bucket``'s shape.
 
     Catches a kernel that miscompiles on new hardware before any request sees it. Returns the max
     abs difference (raises StartupError when it is too large).
     """
-    dummy = random_dummy_batch(key, bucket, page_size, bucket.num_seqs * bucket.num_pages + 1, 64, 1 << 30)
+    dummy = random_dummy_batch(key, bucket, page_size, bucket.num_seqs * bucket.num_pages + 1, 64, 1 << 30,
+                               max_prefill_seqs)
     num_pages = bucket.num_seqs * bucket.num_pages + 1
     k1, k2, k3 = jax.random.split(key, 3)
     q = jax.random.normal(k1, (bucket.num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
@@ -183,7 +188,8 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     args = (q, k_pages, v_pages, dummy["kv_lens"], dummy["page_indices"], dummy["cu_q_lens"], dummy["num_seqs"])
     outs = {}
     for name in (impl, "reference"):
-        fn = jax.jit(lambda *a, name=name: kernels.ragged_paged_attention(*a, sm_scale=head_dim ** -0.5, impl=name))
+        fn = jax.jit(lambda *a, name=name: kernels.ragged_paged_attention(
+            *a, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs))
         outs[name] = np.asarray(fn(*args), np.float32)[: int(dummy["cu_q_lens"][-1])]
     error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
     tolerance = 1e-3 if jnp.dtype(dtype) == jnp.float32 else 5e-2
@@ -195,7 +201,7 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
 
 # ----------------------------------------------------------------------------- warm-up
 def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_size: int, vocab_size: int,
-            max_model_len: int, progress: bool = False) -> dict:
+            max_model_len: int, progress: bool = False, max_prefill_seqs: int | None = None) -> dict:
     """Compile every bucket, then execute each once on its dummy batch and check the outputs.
 
     Running (not only compiling) matters: it fills the dispatch path and proves the executable
@@ -205,7 +211,7 @@ def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_si
 
     if mode == "random":
         batches = {b: random_dummy_batch(jax.random.fold_in(key, i), b, page_size, runner.cache_spec.num_pages,
-                                         vocab_size, max_model_len) for i, b in enumerate(buckets)}
+                                         vocab_size, max_model_len, max_prefill_seqs) for i, b in enumerate(buckets)}
     else:
         batches = {b: zeros_dummy_batch(b, page_size) for b in buckets}
     per_bucket = runner.compile_all(batches)
