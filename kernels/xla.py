@@ -66,6 +66,10 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+# Two passes (decodes, then prefill chunks) only for buckets of 32+ sequences: there the mixed
+# single pass wastes most (each decode alone in a multi-row block), and the second pass's extra
+# compile time (it doubles the attention HLO) is paid for 3 of the default 26 buckets, not all.
+TWO_PASS_MIN_SEQS = 32
 BLOCKDIAG_MAX_BLOCKS = 16  # decode batches of at least this many sequences use "dot" (measured)
 
 
@@ -82,17 +86,18 @@ def _chunk_rows(num_blocks: int, row_width: int, formulation: str, budget=2 << 2
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                *, sm_scale, sliding_window=None, soft_cap=None, block_q=None,
-                               formulation=None, chunk_rows=None, max_prefill_seqs=None):
+                               formulation=None, chunk_rows=None, max_prefill_seqs=None,
+                               two_pass_min_seqs=TWO_PASS_MIN_SEQS):
     """See the module docstring. ``max_prefill_seqs``: a promise that at most this many sequences
-    have more than one query token; a bucket that can hold prefill chunks (``T > S``) then runs
-    decodes and prefill chunks as two passes with their own block sizes."""
+    have more than one query token; a bucket of 32+ sequences that can hold prefill chunks
+    (``T > S``) then runs decodes and prefill chunks as two passes with their own block sizes."""
     num_tokens, num_q_heads, _ = q.shape
     n_seq = page_indices.shape[0]
     group = num_q_heads // k_pages.shape[2]
     cu, q_lens, kv, _ = sanitize(kv_lens, cu_q_lens, num_seqs)
     attend = functools.partial(_attend, q, k_pages, v_pages, kv, cu, page_indices, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap, chunk_rows=chunk_rows)
-    if max_prefill_seqs is None or block_q is not None or num_tokens <= n_seq:
+    if max_prefill_seqs is None or block_q is not None or num_tokens <= n_seq or n_seq < two_pass_min_seqs:
         # kv_weight=32: fitted on XLA:CPU (streaming one block's K/V costs about as much as 32
         # query rows of dots; scripts/bench_attention.py --sweep-block-q re-measures).
         bq = block_q or choose_block_q(num_tokens, n_seq, group, kv_weight=32.0)

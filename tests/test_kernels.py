@@ -197,9 +197,11 @@ def test_xla_random_batches(data):
 
 
 _jit_xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3))
-_jit_xla_two_pass = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3, max_prefill_seqs=2))
+# two_pass_min_seqs=1: the test bucket has only 6 sequences
+_jit_xla_two_pass = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3, max_prefill_seqs=2,
+                                              two_pass_min_seqs=1))
 _jit_xla_two_pass_window = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3, max_prefill_seqs=2,
-                                                     sliding_window=6))
+                                                     sliding_window=6, two_pass_min_seqs=1))
 
 
 @settings(max_examples=12, deadline=None)
