@@ -70,3 +70,33 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     else:
         from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
     return fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+
+
+def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens, page_indices, cu_q_lens,
+                        num_seqs, *, sm_scale, sliding_window=None, soft_cap=None, impl="auto",
+                        max_prefill_seqs=None):
+    """One layer of a model step: :func:`write_kv_pages`, then :func:`ragged_paged_attention` over
+    the written pools. Returns ``(out, k_pages, v_pages)``.
+
+    Prefer it to the two calls when the pools are a donated output of the step: the xla path
+    threads the pools through its loops and returns those, so XLA keeps one buffer per pool.
+    With the two calls the pre-loop pool is returned while the loop carries another version of
+    it, and XLA copies the whole pool at every layer (measured: 60 pool copies per SmolLM2 decode
+    step, 18 ms of a 46 ms batch-1 token on CPU).
+    """
+    from jaxrunner.kernels.kv_write import write_kv_pages
+
+    k_pages, v_pages = write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
+    attend = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                  max_prefill_seqs=max_prefill_seqs)
+    if resolve_impl(impl) != "xla":
+        return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **attend), \
+            k_pages, v_pages
+    _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window, soft_cap)
+    from jaxrunner.kernels.xla import ragged_paged_attention_xla
+
+    return ragged_paged_attention_xla(
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap), max_prefill_seqs=max_prefill_seqs,
+        return_pools=True)

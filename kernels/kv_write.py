@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxrunner.kernels.blocks import SCRATCH_PAGE
+
 
 def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Scatter ``k_new``/``v_new`` [T, Hkv, D] into the pools at flat ``slot_mapping`` [T]."""
@@ -30,10 +32,18 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
                          f"{k_pages.shape}")
     if slot_mapping.shape != k_new.shape[:1]:
         raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {k_new.shape[0]}")
-    slots = jnp.asarray(slot_mapping, jnp.int32)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
-    # mode="drop": an out-of-range slot (a bug upstream) is dropped rather than clamped onto a
+    # An out-of-range slot (a bug upstream) is sent to the scratch page rather than clamped onto a
     # live page.
-    k = k_pages.reshape(flat).at[slots].set(k_new.astype(k_pages.dtype), mode="drop")
-    v = v_pages.reshape(flat).at[slots].set(v_new.astype(v_pages.dtype), mode="drop")
+    slots = jnp.asarray(slot_mapping, jnp.int32)
+    slots = jnp.where((slots >= 0) & (slots < flat[0]), slots, SCRATCH_PAGE * page_size)
+    if slots.shape[0] == 1:
+        # XLA rewrites a one-row scatter into a dynamic-update-slice, and on XLA:CPU that one is
+        # not done in place inside a model step: the donated pool is copied whole at every layer
+        # (measured: 60 pool copies per batch-1 decode step of SmolLM2). A second row aimed at the
+        # scratch page keeps it a real scatter, which is in place.
+        slots = jnp.concatenate([slots, jnp.full((1,), SCRATCH_PAGE * page_size, jnp.int32)])
+        k_new, v_new = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k_new, v_new))
+    k = k_pages.reshape(flat).at[slots].set(k_new.astype(k_pages.dtype), mode="promise_in_bounds")
+    v = v_pages.reshape(flat).at[slots].set(v_new.astype(v_pages.dtype), mode="promise_in_bounds")
     return k.reshape(k_pages.shape), v.reshape(v_pages.shape)

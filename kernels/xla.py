@@ -87,34 +87,41 @@ def _chunk_rows(num_blocks: int, row_width: int, formulation: str, budget=2 << 2
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                *, sm_scale, sliding_window=None, soft_cap=None, block_q=None,
                                formulation=None, chunk_rows=None, max_prefill_seqs=None,
-                               two_pass_min_seqs=TWO_PASS_MIN_SEQS):
+                               two_pass_min_seqs=TWO_PASS_MIN_SEQS, return_pools=False):
     """See the module docstring. ``max_prefill_seqs``: a promise that at most this many sequences
     have more than one query token; a bucket of 32+ sequences that can hold prefill chunks
-    (``T > S``) then runs decodes and prefill chunks as two passes with their own block sizes."""
+    (``T > S``) then runs decodes and prefill chunks as two passes with their own block sizes.
+    ``return_pools``: also return the pools as they come out of the loop(s), ``(out, k, v)``."""
     num_tokens, num_q_heads, _ = q.shape
     n_seq = page_indices.shape[0]
     group = num_q_heads // k_pages.shape[2]
     cu, q_lens, kv, _ = sanitize(kv_lens, cu_q_lens, num_seqs)
-    attend = functools.partial(_attend, q, k_pages, v_pages, kv, cu, page_indices, sm_scale=sm_scale,
+    attend = functools.partial(_attend, q, kv=kv, cu=cu, page_indices=page_indices, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap, chunk_rows=chunk_rows)
     if max_prefill_seqs is None or block_q is not None or num_tokens <= n_seq or n_seq < two_pass_min_seqs:
         # kv_weight=32: fitted on XLA:CPU (streaming one block's K/V costs about as much as 32
         # query rows of dots; scripts/bench_attention.py --sweep-block-q re-measures).
         bq = block_q or choose_block_q(num_tokens, n_seq, group, kv_weight=32.0)
-        return attend(q_lens, bq, None, formulation)
-    prefills = min(max_prefill_seqs, n_seq)
-    bq = choose_prefill_block_q(num_tokens, prefills, group, kv_weight=32.0)
-    is_decode = q_lens == 1
-    decode_out = attend(jnp.where(is_decode, q_lens, 0), 1, n_seq, formulation)
-    prefill_out = attend(jnp.where(is_decode, 0, q_lens), bq, -(-num_tokens // bq) + prefills, None)
-    token_seq = jnp.sum((cu[1:][None, :] <= jnp.arange(num_tokens, dtype=jnp.int32)[:, None]), axis=1)
-    token_is_decode = is_decode[jnp.minimum(token_seq, n_seq - 1)]
-    return jnp.where(token_is_decode[:, None, None], decode_out, prefill_out)
+        out, k_pages, v_pages = attend(k_pages, v_pages, q_lens, bq, None, formulation)
+    else:
+        prefills = min(max_prefill_seqs, n_seq)
+        bq = choose_prefill_block_q(num_tokens, prefills, group, kv_weight=32.0)
+        is_decode = q_lens == 1
+        decode_out, k_pages, v_pages = attend(k_pages, v_pages, jnp.where(is_decode, q_lens, 0), 1, n_seq,
+                                              formulation)
+        prefill_out, k_pages, v_pages = attend(k_pages, v_pages, jnp.where(is_decode, 0, q_lens), bq,
+                                               -(-num_tokens // bq) + prefills, None)
+        token_seq = jnp.sum((cu[1:][None, :] <= jnp.arange(num_tokens, dtype=jnp.int32)[:, None]), axis=1)
+        token_is_decode = is_decode[jnp.minimum(token_seq, n_seq - 1)]
+        out = jnp.where(token_is_decode[:, None, None], decode_out, prefill_out)
+    return (out, k_pages, v_pages) if return_pools else out
 
 
-def _attend(q, k_pages, v_pages, kv, cu, page_indices, q_lens, bq, nb, formulation, *, sm_scale,
+def _attend(q, k_pages, v_pages, q_lens, bq, nb, formulation, *, kv, cu, page_indices, sm_scale,
             sliding_window, soft_cap, chunk_rows):
-    """One pass: the sequences with ``q_lens > 0``, in blocks of ``bq`` rows (at most ``nb``)."""
+    """One pass over the sequences with ``q_lens > 0``, in blocks of ``bq`` rows (at most ``nb``).
+
+    Returns ``(out, k_pages, v_pages)``, the pools being the loop's pass-through (see below)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     width = page_indices.shape[1]
@@ -176,7 +183,11 @@ def _attend(q, k_pages, v_pages, kv, cu, page_indices, q_lens, bq, nb, formulati
         # and loop-invariant code motion would hoist that convert -- of the WHOLE pool -- out of
         # the loop (measured: two pool-sized converts per call). Inside the body the convert
         # fuses into the gather and touches only the gathered rows. No copy results (checked in
-        # tests/test_kernels.py).
+        # tests/test_kernels.py) -- provided the caller continues with the pools that come OUT of
+        # the loop (``return_pools``): in a step that writes the pool and then attends, returning
+        # the pre-loop pool as the new cache leaves two live versions of it, and XLA copies the
+        # whole pool at every layer (measured: 60 pool copies per decode step of SmolLM2, 18 ms
+        # of a 46 ms batch-1 token).
         k_rows, v_rows = jax.lax.optimization_barrier((k_rows, v_rows))
         pg = jax.lax.dynamic_index_in_dim(pages, c, 0, keepdims=False)     # [NB, chunk]
         k = k_rows.at[pg].get(mode="promise_in_bounds").reshape(nb, rows_chunk, hd)
@@ -221,7 +232,7 @@ def _attend(q, k_pages, v_pages, kv, cu, page_indices, q_lens, bq, nb, formulati
         acc0 = jnp.zeros((nb, num_kv_heads, bq, group, head_dim), jnp.float32)
     init = (jnp.full(state, -jnp.inf, jnp.float32), jnp.zeros(state, jnp.float32), acc0,
             k_rows, v_rows)
-    _, l_sum, acc, _, _ = jax.lax.fori_loop(c_lo, c_hi, chunk_step, init)
+    _, l_sum, acc, k_rows, v_rows = jax.lax.fori_loop(c_lo, c_hi, chunk_step, init)
     l_sum = jnp.where(l_sum == 0, 1.0, l_sum)
     if formulation == "blockdiag":
         acc = acc.reshape(nb, bq, num_kv_heads, group, num_kv_heads, head_dim)
@@ -231,4 +242,5 @@ def _attend(q, k_pages, v_pages, kv, cu, page_indices, q_lens, bq, nb, formulati
         o = (acc / l_sum[..., None]).transpose(0, 2, 1, 3, 4)             # [NB,bq,H,G,D]
 
     o = o.reshape(nb * bq, num_q_heads, head_dim)
-    return o.at[token_row].get(mode="clip").astype(q.dtype)
+    out = o.at[token_row].get(mode="clip").astype(q.dtype)
+    return out, k_rows.reshape(k_pages.shape), v_rows.reshape(v_pages.shape)

@@ -384,6 +384,36 @@ def test_write_kv_pages_in_place_under_donation():
     assert kp_d.is_deleted()
 
 
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_model_step_shape_keeps_pools_in_place(num_tokens):
+    """Two layers of write + attend in one donated jit, as in a model step: no pool-sized copy.
+
+    Regression: returning the written pool while the attention loop carried another version of
+    it, and the one-row scatter that XLA turns into a dynamic-update-slice, each made XLA copy
+    the whole pool at every layer (60 copies per SmolLM2 decode step)."""
+    pool_shape = (33, 16, 3, 64)
+    rng = np.random.default_rng(num_tokens)
+    case = make_case(rng, [num_tokens], [num_tokens + 20], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                     page_size=16, num_pages=33, width=32, poison=False)
+
+    def step(cache, q, k, v, slots, *meta):
+        outs, new = [], []
+        for kp, vp in cache:
+            out, kp, vp = kernels.write_kv_and_attend(q, k, v, kp, vp, slots, *meta, sm_scale=0.1, impl="xla")
+            outs.append(out)
+            new.append((kp, vp))
+        return sum(outs), new
+
+    cache = [(jnp.zeros(pool_shape), jnp.zeros(pool_shape)) for _ in range(2)]
+    k_new = rng.standard_normal((num_tokens, 3, 64)).astype(np.float32)
+    slots = np.arange(40, 40 + num_tokens, dtype=np.int32)
+    args = (case.q, k_new, k_new, slots, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
+    hlo = jax.jit(step, donate_argnums=0).lower(cache, *args).compile().as_text()
+    copies = [m for m in re.finditer(r"= f32\[([\d,]+)\]\S* copy\(", hlo)
+              if math.prod(int(x) for x in m.group(1).split(",")) == math.prod(pool_shape)]
+    assert not copies, [m.group(0) for m in copies]
+
+
 def test_write_then_attend_like_the_engine():
     """Write a step's K/V with write_kv_pages, then attend: equals the oracle over the result."""
     rng = np.random.default_rng(9)

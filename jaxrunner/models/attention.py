@@ -66,10 +66,10 @@ class PagedAttention:
         return sharded(q, k, v, layer_cache, meta)
 
     def _local(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window):
-        k_pages, v_pages = kernels.write_kv_pages(layer_cache[0], layer_cache[1], k, v, meta["slot_mapping"])
-        out = kernels.ragged_paged_attention(
-            q, k_pages, v_pages, meta["kv_lens"], meta["page_indices"], meta["cu_q_lens"],
-            meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl,
+        # one fused call, so the pools handed back are the ones the kernel's loops carried (no copy)
+        out, k_pages, v_pages = kernels.write_kv_and_attend(
+            q, k, v, layer_cache[0], layer_cache[1], meta["slot_mapping"], meta["kv_lens"], meta["page_indices"],
+            meta["cu_q_lens"], meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl,
             max_prefill_seqs=self.max_prefill_seqs)
         return out, (k_pages, v_pages)
 
