@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.quant import linear
+from jaxrunner.models.quant import linear, matmul_f32_acc
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -103,7 +103,5 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
 def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Float32 logits [N, V] for the hidden rows that are sampled (not every prefill token)."""
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("nd,vd->nv", hidden, params["embed"])
-    else:
-        logits = hidden @ params["lm_head"]
-    return logits.astype(jnp.float32)
+        return matmul_f32_acc(hidden, params["embed"], contract=(-1, 1))
+    return matmul_f32_acc(hidden, params["lm_head"])

@@ -39,10 +39,23 @@ def int8_matmul(x: jax.Array, w: dict[str, jax.Array], guard: bool = True) -> ja
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """``x @ w`` for a float weight, the int8 path for a quantized one."""
+    """``x @ w`` for a float weight, the int8 path for a quantized one.
+
+    16-bit operands accumulate in float32 (``preferred_element_type``), as transformers does, and
+    on XLA:CPU that is also the fast path: measured [64, 576] x [576, 3072] bf16 -> f32 at 302
+    GFLOP/s against 130 for a bf16 result and 152 for float32 operands (AMX/AVX512-BF16 kernels).
+    """
     if isinstance(w, dict):
         return int8_matmul(x, w)
-    return x @ w
+    if x.dtype == jnp.float32:
+        return x @ w
+    return matmul_f32_acc(x, w).astype(x.dtype)
+
+
+def matmul_f32_acc(x: jax.Array, w: jax.Array, contract: tuple[int, int] = (-1, 0)) -> jax.Array:
+    """``x`` contracted with ``w`` over (x's ``contract[0]``, w's ``contract[1]``), float32 result."""
+    dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
 def quantize_params_int8(params: dict) -> dict:
