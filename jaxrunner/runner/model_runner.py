@@ -61,8 +61,9 @@ class ModelRunner:
     """Owns params and the KV cache on one mesh; runs packed batches through per-bucket executables.
 
     The mesh is ``("data", "model")`` with one data row: a single device, or ``tp`` devices that
-    split heads, MLP and vocabulary (``jaxrunner.parallel.sharding``). Every executable declares
-    the shardings of params, cache and batch, so nothing is re-laid out between steps.
+    split heads, MLP and vocabulary (``jaxrunner.parallel.sharding``). On several devices every
+    executable declares the shardings of params, cache and batch, so nothing is re-laid out
+    between steps; on one device the arrays are simply committed to it.
 
     Executables are compiled ahead of time (``compile``), one per bucket, during warm-up; ``execute``
     only dispatches to them. A bucket that was not compiled is an error, never a silent compile in
