@@ -101,37 +101,25 @@ def query_blocks(cu, q_lens, num_tokens: int, block_q: int, num_blocks: int | No
 
 
 def choose_block_q(num_tokens: int, num_seqs: int, group: int, *, kv_weight: float = 1.0,
-                   max_block_q: int = 128) -> int:
+                   max_block_q: int = 128, max_prefill_seqs: int | None = None) -> int:
     """Static query-block size for a (T, S) bucket.
 
     Work of a block size ``bq`` is modelled as ``NB(bq) * (bq * group + kv_weight)``: every block
     gathers its sequence's whole page-table row once (``kv_weight``, per kv head) and computes
     ``bq * group`` query rows against it. ``NB(bq)`` is the static bound above, so padding waste
     (``S * (bq - 1)`` rows in the worst case) is charged. Decode-only buckets (T == S) give 1.
+    For a pass over at most ``max_prefill_seqs`` sequences the bound is the tighter
+    ``ceil(T / bq) + max_prefill_seqs`` (each sequence wastes at most one partial block).
     """
+    def num_blocks(bq: int) -> int:
+        if max_prefill_seqs is None:
+            return num_query_blocks(num_tokens, num_seqs, bq)
+        return -(-num_tokens // bq) + max_prefill_seqs
+
     best, best_cost = 1, None
     bq = 1
     while bq <= max(1, min(max_block_q, num_tokens)):
-        nb = num_query_blocks(num_tokens, num_seqs, bq)
-        cost = nb * (bq * group + kv_weight)
-        if best_cost is None or cost < best_cost * 0.999:
-            best, best_cost = bq, cost
-        bq *= 2
-    return best
-
-
-
-def choose_prefill_block_q(num_tokens: int, num_prefill_seqs: int, group: int, *, kv_weight: float = 1.0,
-                           max_block_q: int = 128) -> int:
-    """Block size for a pass over at most ``num_prefill_seqs`` sequences holding ``num_tokens`` rows.
-
-    Same cost model as :func:`choose_block_q`, with the tighter block bound
-    ``ceil(T / bq) + num_prefill_seqs`` (each sequence wastes at most one partial block).
-    """
-    best, best_cost = 1, None
-    bq = 1
-    while bq <= max(1, min(max_block_q, num_tokens)):
-        cost = (-(-num_tokens // bq) + num_prefill_seqs) * (bq * group + kv_weight)
+        cost = num_blocks(bq) * (bq * group + kv_weight)
         if best_cost is None or cost < best_cost * 0.999:
             best, best_cost = bq, cost
         bq *= 2

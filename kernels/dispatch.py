@@ -56,20 +56,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     query token; the xla path then runs decodes and prefill chunks in separate passes (others
     ignore it). Breaking the promise gives wrong outputs: the engine's scheduler enforces it.
     """
-    _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
-           soft_cap)
-    impl = resolve_impl(impl)
-    kw = dict(sm_scale=float(sm_scale),
-              sliding_window=None if sliding_window is None else int(sliding_window),
-              soft_cap=None if soft_cap is None else float(soft_cap))
-    if impl == "reference":
-        from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
-    elif impl == "xla":
-        from jaxrunner.kernels.xla import ragged_paged_attention_xla as fn
-        kw["max_prefill_seqs"] = max_prefill_seqs
-    else:
-        from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
-    return fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+    return _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                   sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, max_prefill_seqs=max_prefill_seqs,
+                   return_pools=False)
 
 
 def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens, page_indices, cu_q_lens,
@@ -87,16 +76,28 @@ def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens
     from jaxrunner.kernels.kv_write import write_kv_pages
 
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
-    attend = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
-                  max_prefill_seqs=max_prefill_seqs)
-    if resolve_impl(impl) != "xla":
-        return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **attend), \
-            k_pages, v_pages
-    _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window, soft_cap)
-    from jaxrunner.kernels.xla import ragged_paged_attention_xla
+    return _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                   sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, max_prefill_seqs=max_prefill_seqs,
+                   return_pools=True)
 
-    return ragged_paged_attention_xla(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        soft_cap=None if soft_cap is None else float(soft_cap), max_prefill_seqs=max_prefill_seqs,
-        return_pools=True)
+
+def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
+            soft_cap, impl, max_prefill_seqs, return_pools):
+    """Checks, the choice of implementation, and (``return_pools``) the pools to continue with."""
+    _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
+           soft_cap)
+    impl = resolve_impl(impl)
+    kw = dict(sm_scale=float(sm_scale),
+              sliding_window=None if sliding_window is None else int(sliding_window),
+              soft_cap=None if soft_cap is None else float(soft_cap))
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if impl == "xla":  # hands back the pools its loops carried
+        from jaxrunner.kernels.xla import ragged_paged_attention_xla
+
+        return ragged_paged_attention_xla(*args, **kw, max_prefill_seqs=max_prefill_seqs, return_pools=return_pools)
+    if impl == "reference":
+        from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
+    else:
+        from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
+    out = fn(*args, **kw)
+    return (out, k_pages, v_pages) if return_pools else out

@@ -34,7 +34,8 @@ Why this shape:
   the 4-D gather. The tiny block metadata goes through an ``optimization_barrier`` first, or XLA
   fuses its index arithmetic into the big gathers and recomputes it per element.
 * Two dot formulations, chosen statically:
-  - ``block_q == 1`` and fewer than 16 blocks (small decode batches, batch-1 latency): "blockdiag". A dot with a batch dim over kv heads makes XLA:CPU
+  - ``block_q == 1`` and fewer than 16 blocks (small decode batches, batch-1 latency):
+    "blockdiag". A dot with a batch dim over kv heads makes XLA:CPU
     transpose the gathered K/V (heads are not major in the pool layout). Instead each block does
     ONE plain matmul on the pool-native layout: K as ``[rows, Hkv*D]`` times a block-diagonal
     ``[Hkv*D, Hkv*G]`` query matrix (and P^T V the same way, keeping the diagonal blocks).
@@ -59,7 +60,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.kernels.blocks import choose_block_q, choose_prefill_block_q, query_blocks, sanitize
+from jaxrunner.kernels.blocks import choose_block_q, query_blocks, sanitize
 
 
 def _precision(dtype):
@@ -105,7 +106,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
         out, k_pages, v_pages = attend(k_pages, v_pages, q_lens, bq, None, formulation)
     else:
         prefills = min(max_prefill_seqs, n_seq)
-        bq = choose_prefill_block_q(num_tokens, prefills, group, kv_weight=32.0)
+        bq = choose_block_q(num_tokens, n_seq, group, kv_weight=32.0, max_prefill_seqs=prefills)
         is_decode = q_lens == 1
         decode_out, k_pages, v_pages = attend(k_pages, v_pages, jnp.where(is_decode, q_lens, 0), 1, n_seq,
                                               formulation)
