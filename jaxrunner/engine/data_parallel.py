@@ -20,7 +20,6 @@ from jaxrunner.parallel import distributed, mesh as meshes, sharding
 
 def create_engine(config: EngineConfig):
     """The engine a config asks for: one ``LLMEngine``, or a ``DataParallelEngine`` of several."""
-    distributed.initialize_from_env()
     if config.data_parallel_size == 1:
         return LLMEngine(config)
     return DataParallelEngine(config)
@@ -39,6 +38,7 @@ class DataParallelEngine:
 
     def __init__(self, config: EngineConfig):
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        distributed.initialize_from_env()  # before any device is touched, as in LLMEngine
         meshes.check_device_count(tp, dp)
         if jax.process_count() > 1:
             raise ValueError(f"data_parallel_size={dp} with {jax.process_count()} processes: a replica would be "

@@ -90,6 +90,16 @@ def _place(host_params, cfg: ModelConfig, dtype: str, mesh):
     return params, served, sharding.kv_replication(cfg, tp)
 
 
+def _restores_into_shards(cfg: ModelConfig, mesh) -> bool:
+    """Whether a checkpoint of ``cfg`` can be restored straight into ``mesh``'s shardings: yes
+    unless KV heads must be replicated first (that goes through host memory)."""
+    from jaxrunner.parallel import mesh as meshes, sharding
+
+    tp = meshes.tensor_parallel_size(mesh)
+    meshes.check_tensor_parallel(cfg, tp)
+    return sharding.kv_replication(cfg, tp) == 1
+
+
 def _restore_sharded(source: ModelSource, cfg: ModelConfig, dtype: str, mesh):
     """An orbax checkpoint restored straight into its shardings: no full copy anywhere first."""
     from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
@@ -105,15 +115,7 @@ def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=N
     source = resolve_model(model)
     start = time.perf_counter()
     orbax_cfg = _orbax_config(source)
-    if mesh is not None and orbax_cfg is not None:
-        from jaxrunner.parallel import mesh as meshes, sharding
-
-        tp = meshes.tensor_parallel_size(mesh)
-        meshes.check_tensor_parallel(orbax_cfg, tp)
-        direct = sharding.kv_replication(orbax_cfg, tp) == 1
-    else:
-        direct = False
-    if direct:
+    if orbax_cfg is not None and mesh is not None and _restores_into_shards(orbax_cfg, mesh):
         hf_config, params, tokenizer = _restore_sharded(source, orbax_cfg, dtype, mesh)
         config, replication = orbax_cfg, 1
     else:

@@ -29,9 +29,8 @@ def tensor_parallel_problem(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def valid_tensor_parallel_sizes(cfg: ModelConfig, limit: int | None = None) -> list[int]:
-    limit = limit or cfg.num_heads
-    return [tp for tp in range(1, limit + 1) if tensor_parallel_problem(cfg, tp) is None]
+def valid_tensor_parallel_sizes(cfg: ModelConfig) -> list[int]:
+    return [tp for tp in range(1, cfg.num_heads + 1) if tensor_parallel_problem(cfg, tp) is None]
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:

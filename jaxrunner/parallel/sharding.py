@@ -59,8 +59,8 @@ def shards_vocab(cfg: ModelConfig, tp: int) -> bool:
 
 def param_shardings(params, mesh: Mesh, cfg: ModelConfig):
     """A pytree of NamedShardings matching ``params`` (float or int8)."""
-    vocab = shards_vocab(cfg, tensor_parallel_size(mesh))
-    return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, leaf_spec(path, vocab)), params)
+    for_path = sharding_for_path(mesh, cfg)
+    return jax.tree_util.tree_map_with_path(lambda path, _: for_path(path), params)
 
 
 def sharding_for_path(mesh: Mesh, cfg: ModelConfig):
