@@ -22,8 +22,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output, in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "xla", "reference"],
-                        help="attention implementation (auto: pallas on GPU/TPU, xla on CPU)")
+    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "native", "xla", "reference"],
+                        help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     parser.add_argument("--coordinator-address", default=None,
@@ -180,6 +180,7 @@ def cmd_info(args) -> int:
     import jax
 
     from jaxrunner import __version__, kernels
+    from jaxrunner.kernels import native
     from jaxrunner.config import DEFAULT_MODEL, EngineConfig
     from jaxrunner.models.loading.resolve import ModelNotFoundError, resolve_model
 
@@ -191,6 +192,7 @@ def cmd_info(args) -> int:
     info = {"jaxrunner": __version__, "jax": jax.__version__, "python": platform.python_version(),
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "cpu_count": os.cpu_count(), "attention_impl": kernels.resolve_impl("auto", device.platform),
+            "native_cpu_kernel": native.unavailable_reason() or "ready",
             "default_model": f"{DEFAULT_MODEL}: {default_model}",
             "compilation_cache_dir": EngineConfig().compilation_cache_dir}
     if args.json:

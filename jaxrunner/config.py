@@ -20,7 +20,7 @@ class EngineConfig:
     max_model_len: int | None = 2048        # capped by the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_impl: str = "auto"            # auto | pallas | xla | reference
+    attention_impl: str = "auto"            # auto | pallas | native (CPU) | xla | reference
     kv_cache_dtype: str | None = None       # defaults to dtype
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
@@ -43,7 +43,7 @@ class EngineConfig:
             ("max_num_prefill_seqs", self.max_num_prefill_seqs is None or self.max_num_prefill_seqs >= 1),
             ("num_pages", self.num_pages is None or self.num_pages >= 2),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1),
-            ("attention_impl", self.attention_impl in ("auto", "pallas", "xla", "reference")),
+            ("attention_impl", self.attention_impl in ("auto", "pallas", "xla", "native", "reference")),
             ("memory_utilization", 0.0 < self.memory_utilization <= 1.0),
             ("warmup_inputs", self.warmup_inputs in ("random", "zeros")),
             ("quantization", self.quantization in (None, "int8")),

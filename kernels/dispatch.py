@@ -1,17 +1,19 @@
 """Public entry point: shape checks and the choice of implementation.
 
-``impl="auto"`` resolves to the Pallas kernel on GPU/TPU and to the plain-XLA path on CPU
-(Pallas only *interprets* on CPU, which is orders of magnitude slower than XLA there).
+``impl="auto"`` resolves to the Pallas kernel on GPU/TPU. On CPU it resolves to the native kernel
+(``cpu/paged_attention.cc`` through XLA's FFI, built on first use) when a C++ compiler can build
+it, else to the plain-XLA path. Pallas only *interprets* on CPU, orders of magnitude slower.
 """
 from __future__ import annotations
 
 import jax
 
-IMPLS = ("reference", "xla", "pallas")
+IMPLS = ("reference", "xla", "native", "pallas")
 
 
-def resolve_impl(impl: str = "auto", platform: str | None = None) -> str:
-    """The concrete implementation ``impl`` stands for on ``platform`` (default backend)."""
+def resolve_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None) -> str:
+    """The concrete implementation ``impl`` stands for on ``platform`` (default backend), for
+    heads of ``head_dim`` (unknown: any size the implementation takes)."""
     if impl in IMPLS:
         return impl
     if impl != "auto":
@@ -19,7 +21,10 @@ def resolve_impl(impl: str = "auto", platform: str | None = None) -> str:
     platform = (platform or jax.default_backend()).lower()
     if platform in ("gpu", "cuda", "rocm", "tpu"):
         return "pallas"
-    return "xla"
+    from jaxrunner.kernels import native
+
+    fits = head_dim is None or native.supports(head_dim)
+    return "native" if fits and native.available() else "xla"
 
 
 def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
@@ -97,6 +102,8 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
         return ragged_paged_attention_xla(*args, **kw, max_prefill_seqs=max_prefill_seqs, return_pools=return_pools)
     if impl == "reference":
         from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
+    elif impl == "native":
+        from jaxrunner.kernels.native import ragged_paged_attention_native as fn
     else:
         from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
     out = fn(*args, **kw)

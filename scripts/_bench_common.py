@@ -45,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: sized by memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    g.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "xla", "reference"])
+    g.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "native", "xla", "reference"])
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     g.add_argument("--compilation-cache-dir", default=None,

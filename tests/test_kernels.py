@@ -3,7 +3,8 @@
 Every case draws fresh seeded random inputs; cache slots no live token owns hold NaN, padded
 query rows hold large finite garbage and padded sequences carry garbage metadata, so an
 implementation that reads outside its sequence, leaks masked values or leaves rows unwritten
-fails. Pallas runs in interpret mode here (both the Triton/GPU and the Mosaic/TPU kernel bodies),
+fails. The native CPU kernel is built from source on first use (skipped, with the reason, where
+no C++ compiler can build it). Pallas runs in interpret mode here (both the Triton/GPU and the Mosaic/TPU kernel bodies),
 on small pools because interpretation is slow.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxrunner import kernels
-from jaxrunner.kernels import blocks
+from jaxrunner.kernels import blocks, native
 from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas
 from jaxrunner.kernels.reference import ragged_paged_attention_reference
 from jaxrunner.kernels.testing import make_case
@@ -85,6 +86,10 @@ def _impl(name):
         return ragged_paged_attention_reference
     if name == "xla":
         return ragged_paged_attention_xla
+    if name == "native":
+        if not native.available():
+            pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+        return native.ragged_paged_attention_native
     if name == "pallas_gpu":
         return functools.partial(ragged_paged_attention_pallas, variant="gpu", interpret=True)
     if name == "pallas_tpu":
@@ -97,8 +102,8 @@ def run(name, case, **attn):
     return fn(*[jnp.asarray(a) for a in case.args()])
 
 
-ALL = ["reference", "xla", "pallas_gpu", "pallas_tpu"]
-FAST = ["reference", "xla"]
+ALL = ["reference", "xla", "native", "pallas_gpu", "pallas_tpu"]
+FAST = ["reference", "xla", "native"]
 
 # name -> (q_lens, kv_lens, make_case kwargs). Lengths cross page boundaries on purpose.
 SHAPES = {
@@ -197,6 +202,44 @@ def test_xla_random_batches(data):
 
 
 _jit_xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_native_random_batches(data):
+    """The native kernel on random raggedness, windows and soft caps (one compile per option set):
+    long prefill chunks cross its 16-row work items and several pages."""
+    if not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+    q_lens = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))
+    while sum(q_lens) > 64:
+        q_lens.pop()
+    kv_lens = [ql + data.draw(st.integers(0, 60 - ql)) for ql in q_lens]
+    attn = data.draw(st.sampled_from([{}, dict(sliding_window=7), dict(soft_cap=3.0)]))
+    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    case = make_case(rng, q_lens, kv_lens, num_q_heads=6, num_kv_heads=2, head_dim=64,
+                     page_size=8, num_pages=64, width=8, num_tokens=64, max_seqs=6, dtype=dtype, scale=2.0)
+    out = _jit_native(tuple(sorted(attn.items())))(*case.args())
+    check(out, case, dtype, sm_scale=0.3, **attn)
+
+
+@functools.cache
+def _jit_native(attn):
+    return jax.jit(functools.partial(native.ragged_paged_attention_native, sm_scale=0.3, **dict(attn)))
+
+
+def test_native_kernel_build_errors_say_why(tmp_path):
+    """A compiler that fails is reported with its command line; unsupported head sizes are refused
+    at trace time, before XLA runs anything."""
+    with pytest.raises(native.NativeKernelUnavailable, match="failed"):
+        native.build_library("false", tmp_path / "lib.so")
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
+    if native.available():
+        rng = np.random.default_rng(0)
+        case = make_case(rng, [2], [5], num_q_heads=2, num_kv_heads=1, head_dim=24, page_size=4)
+        with pytest.raises(ValueError, match="head_dim"):
+            native.ragged_paged_attention_native(*case.args(), sm_scale=0.1)
 # two_pass_min_seqs=1: the test bucket has only 6 sequences
 _jit_xla_two_pass = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.3, max_prefill_seqs=2,
                                               two_pass_min_seqs=1))
@@ -278,7 +321,9 @@ def test_public_entry_point():
     case = make_case(rng, [3, 1], [9, 30], num_q_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=8, num_tokens=8, max_seqs=3)
     args = [jnp.asarray(a) for a in case.args()]
-    for impl in ("auto", "reference", "xla", "pallas"):
+    for impl in ("auto", "reference", "xla", "native", "pallas"):
+        if impl == "native" and not native.available():
+            continue
         out = jax.jit(functools.partial(kernels.ragged_paged_attention, sm_scale=0.125,
                                         impl=impl))(*args)
         check(out, case, "float32", sm_scale=0.125)
@@ -289,8 +334,10 @@ def test_public_entry_point():
 
 
 def test_resolve_impl():
-    assert kernels.resolve_impl() == "xla"  # this test machine is CPU-only
-    assert kernels.resolve_impl("auto", "cpu") == "xla"
+    cpu_choice = "native" if native.available() else "xla"
+    assert kernels.resolve_impl() == cpu_choice  # this test machine is CPU-only
+    assert kernels.resolve_impl("auto", "cpu") == cpu_choice
+    assert kernels.resolve_impl("auto", "cpu", head_dim=72) == "xla"  # native needs head_dim % 16 == 0
     for plat in ("gpu", "cuda", "tpu"):
         assert kernels.resolve_impl("auto", plat) == "pallas"
     for impl in kernels.IMPLS:
@@ -384,13 +431,16 @@ def test_write_kv_pages_in_place_under_donation():
     assert kp_d.is_deleted()
 
 
+@pytest.mark.parametrize("impl", ["xla", "native"])
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_model_step_shape_keeps_pools_in_place(num_tokens):
+def test_model_step_shape_keeps_pools_in_place(num_tokens, impl):
     """Two layers of write + attend in one donated jit, as in a model step: no pool-sized copy.
 
     Regression: returning the written pool while the attention loop carried another version of
     it, and the one-row scatter that XLA turns into a dynamic-update-slice, each made XLA copy
     the whole pool at every layer (60 copies per SmolLM2 decode step)."""
+    if impl == "native" and not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
     pool_shape = (33, 16, 3, 64)
     rng = np.random.default_rng(num_tokens)
     case = make_case(rng, [num_tokens], [num_tokens + 20], num_q_heads=9, num_kv_heads=3, head_dim=64,
@@ -399,7 +449,7 @@ def test_model_step_shape_keeps_pools_in_place(num_tokens):
     def step(cache, q, k, v, slots, *meta):
         outs, new = [], []
         for kp, vp in cache:
-            out, kp, vp = kernels.write_kv_and_attend(q, k, v, kp, vp, slots, *meta, sm_scale=0.1, impl="xla")
+            out, kp, vp = kernels.write_kv_and_attend(q, k, v, kp, vp, slots, *meta, sm_scale=0.1, impl=impl)
             outs.append(out)
             new.append((kp, vp))
         return sum(outs), new

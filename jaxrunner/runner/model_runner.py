@@ -76,7 +76,7 @@ class ModelRunner:
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
         self.device = meshes.local_device(self.mesh)
-        self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform)
+        self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform, cfg.head_dim)
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
         param_shardings = sharding.param_shardings(params, self.mesh, cfg)

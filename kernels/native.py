@@ -1,0 +1,138 @@
+"""The native CPU kernel (``cpu/paged_attention.cc``): built on first use, called through XLA's FFI.
+
+Why built at run time rather than at install time: the kernel is compiled with
+``-march=native`` for the machine it runs on (AVX-512 where there is one), against the FFI
+headers of the jaxlib that is installed; neither is known when the package is built. The shared
+library is cached under ``$JAXRUNNER_CACHE_DIR/kernels`` (default ``~/.cache/jaxrunner``), keyed
+by the source, the jaxlib version, the compiler and the CPU's feature flags, so a start-up after
+the first costs one ``dlopen``. Without a C++ compiler (or if the build fails) :func:`available`
+says why, and ``impl="auto"`` stays on the XLA path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
+TARGET_NAME = "jaxrunner_cpu_paged_attention"
+SYMBOL = "JaxrunnerCpuPagedAttention"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The native CPU kernel cannot be built or loaded here (the message says why)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cache_dir() -> Path:
+    """``$JAXRUNNER_CACHE_DIR/kernels``, else ``~/.cache/jaxrunner/kernels`` if it can be created,
+    else a folder in the temporary directory."""
+    root = os.environ.get("JAXRUNNER_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels"
+    home = Path.home() / ".cache" / "jaxrunner" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:
+        return Path(tempfile.gettempdir()) / "jaxrunner-kernels"
+
+
+def _library_path(compiler: str) -> Path:
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return _cache_dir() / f"lib{TARGET_NAME}-{key.hexdigest()[:16]}.so"
+
+
+def build_library(compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside ``target`` and rename it into place (atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise NativeKernelUnavailable(f"building {SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@functools.cache
+def _load() -> None:
+    """Build (or find) the library and register its handler with XLA, once per process."""
+    if platform.system() != "Linux":
+        raise NativeKernelUnavailable(f"the native CPU kernel is built for Linux only, not {platform.system()}")
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeKernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    path = _library_path(compiler)
+    if not path.exists():
+        build_library(compiler, path)
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is ready; otherwise why it cannot be used here."""
+    try:
+        _load()
+    except (NativeKernelUnavailable, OSError, subprocess.SubprocessError) as err:
+        return str(err)
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def supports(head_dim: int) -> bool:
+    """Head sizes the kernel takes: whole 16-float vectors, at most 256."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 256
+
+
+def ragged_paged_attention_native(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                                  sm_scale, sliding_window=None, soft_cap=None):
+    """Same contract as :func:`jaxrunner.kernels.reference.ragged_paged_attention_reference`.
+
+    Runs on CPU only (the custom call is registered for the CPU platform)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NativeKernelUnavailable(reason)
+    if not supports(q.shape[-1]):
+        raise ValueError(f"the native CPU kernel needs head_dim a multiple of 16 and at most 256, got {q.shape[-1]}")
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return call(q, k_pages, v_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+                i32(num_seqs).reshape(1), sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+                sliding_window=np.int64(0 if sliding_window is None else sliding_window))
