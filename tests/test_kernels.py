@@ -162,6 +162,15 @@ def test_gqa_ratios_and_page_sizes(impl, group, page_size):
     check(run(impl, case, sm_scale=0.125), case, "float32", sm_scale=0.125)
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
+def test_native_head_sizes(head_dim):
+    """64 and 128 take the kernel's compile-time-width path, other multiples of 16 the generic one."""
+    rng = np.random.default_rng(head_dim)
+    case = make_case(rng, [20, 1, 5], [70, 33, 5], num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
+                     page_size=8, num_tokens=30, max_seqs=4)
+    check(run("native", case, sm_scale=0.1), case, "float32", sm_scale=0.1)
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("group,page_size,head_dim", [(3, 16, 64), (8, 8, 128), (1, 32, 64)])
 def test_pallas_gqa_and_pages(impl, group, page_size, head_dim):

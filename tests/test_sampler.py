@@ -96,3 +96,17 @@ def test_banned_tokens_never_sampled():
     banned[:, 0] = 7
     out = jax.jit(sampler.sample)(logits, {**_sampling(2, temperature=1.0, seeds=3), "banned": banned})
     assert 7 not in np.asarray(out["tokens"]).tolist()
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 50257, 7])
+def test_two_level_argmax_is_numpys_first_argmax(vocab):
+    """Block sizes that divide the vocabulary and ones that need padding; ties go to the first
+    index, also across blocks, as with np.argmax."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1, :] = 1.0                       # all tied
+    x[2, [vocab // 2, vocab - 1]] = 99  # a tie in two different blocks
+    x[3, 0] = 50                        # the very first token
+    x[4, -1] = 50                       # the very last token
+    got = np.asarray(jax.jit(sampler.first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, x.argmax(axis=-1))

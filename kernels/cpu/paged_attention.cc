@@ -11,9 +11,9 @@
 // inside the sliding window when one is set). Rows with nothing to attend to and padding rows
 // (past cu_q_lens[num_seqs]) come out as zeros. Scores and softmax are float32.
 //
-// Work item: (sequence, kv head, tile of up to kRowTile query rows). Its G = Hq/Hkv query heads
-// share every K/V row it loads (GQA without repeating K/V). Pages are looked up once per page,
-// not per row. Scores for all keys the tile needs are computed first, then an exact softmax per
+// Work item: (sequence, tile of query rows), all heads: each page is read as one contiguous block
+// and the G = Hq/Hkv query heads of a kv head share every K/V row loaded (GQA without repeating
+// K/V). Pages are looked up once per page, not per row, and the next page is prefetched. Scores for all keys the tile needs are computed first, then an exact softmax per
 // row (vectorised exp), then P @ V over tiles of V rows held in L1 with the accumulators in
 // registers. Items, most expensive first, are spread over XLA's intra-op thread pool; the calling
 // thread works too, so nothing waits on a task that never gets a thread.
@@ -39,8 +39,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kRowTile = 16;    // query rows per work item (prefill chunks)
-constexpr int kValueTile = 64;  // keys per P @ V tile (64 rows of V stay in L1)
+constexpr int64_t kQueryVectors = 64;  // query rows x heads per work item, at most (prefill)
+constexpr int64_t kValueTileBytes = 16 << 10;  // V rows per P @ V tile: about 16 KB, half an L1
 constexpr int kLanes = 16;      // floats per vector (one AVX-512 register; narrower ISAs split it)
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxChunks = kMaxHeadDim / kLanes;
@@ -74,6 +74,21 @@ inline float Sum(F16 v) {  // halving tree: 4 shuffle + add steps
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   F4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// The four sums {sum(a), sum(b), sum(c), sum(d)} with one shuffle-and-add tree.
+inline F4 Sum4(F16 a, F16 b, F16 c, F16 d) {
+  const F16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const F16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // ab = [a 8 | b 8], cd = [c 8 | d 8] -> [a 4 | b 4 | c 4 | d 4]
+  const F16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  // -> [a 2 | b 2 | c 2 | d 2], then pairs
+  const F8 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y, y, 0, 2, 4, 6) + __builtin_shufflevector(y, y, 1, 3, 5, 7);
 }
 
 inline float ToF32(float x) { return x; }
@@ -131,7 +146,7 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, kv_head, row0, rows;
+  int32_t seq, row0, rows;
   int64_t cost;         // rows * keys, for ordering
 };
 
@@ -142,22 +157,29 @@ inline void KeyRange(const Problem& p, int64_t kv, int64_t pos0, int64_t rows, i
   *lo = p.window > 0 ? std::max<int64_t>(0, pos0 - (p.window - 1)) : 0;
 }
 
-// Per-thread buffers of one work item.
+// Per-thread buffers of one work item. Query vector i = r * Hq + (query head) for tile row r.
 struct Scratch {
   std::vector<F16> q;        // [n, chunks] scaled queries
+  std::vector<F16> acc;      // [n, chunks] P @ V accumulators
+  std::vector<F16> tile;     // [kValueTile, Hkv, chunks] V rows
   std::vector<float> scores; // [n, keys]: scores, then probabilities
-  std::vector<int64_t> first, last;  // per row: its keys [first, last) relative to lo
+  std::vector<int64_t> first, last;  // per query vector: its keys [first, last) relative to lo
   std::vector<float> inv_sum;
 };
 
-template <typename QT, typename KT>
+// kChunks: head_dim / 16 when known at compile time (64 and 128: the K/V rows and accumulators
+// then live in registers), 0 for any other multiple of 16.
+template <typename QT, typename KT, int kChunks>
 class Attention {
  public:
   Attention(const Problem& p, const QT* q, const KT* k, const KT* v, QT* out)
-      : p_(p), q_(q), k_(k), v_(v), out_(out) {}
+      : p_(p), q_(q), k_(k), v_(v), out_(out), chunks_(kChunks ? kChunks : p.head_dim / kLanes) {}
 
+  // All kv heads of one tile of query rows: every page is then read as one contiguous block
+  // (page_size x Hkv x D), which the hardware prefetcher streams; per-head items read
+  // 256-byte pieces at a stride and measured slower.
   void Run(const Item& it, Scratch& sc) const {
-    const int64_t n = int64_t(it.rows) * p_.group, chunks = p_.head_dim / kLanes;
+    const int64_t n = int64_t(it.rows) * p_.num_q_heads, chunks = Chunks();
     const int64_t q_start = p_.cu[it.seq];
     const int64_t q_len = p_.cu[it.seq + 1] - q_start;
     const int64_t kv = std::clamp<int64_t>(p_.kv_lens[it.seq], 0, p_.width * p_.page_size);
@@ -166,24 +188,31 @@ class Attention {
     KeyRange(p_, kv, pos0, it.rows, &lo, &hi);
     const int64_t keys = std::max<int64_t>(hi - lo, 0);
     sc.q.resize(n * chunks);
+    sc.acc.assign(n * chunks, F16{});
+    sc.tile.resize(ValueTile() * p_.num_kv_heads * chunks);
     sc.scores.resize(n * keys + kLanes);
     sc.first.resize(n);
     sc.last.resize(n);
-    sc.inv_sum.resize(n);
+    sc.inv_sum.assign(n, 0.0f);
     LoadQueries(it, q_start, sc.q.data());
     Ranges(it, pos0, lo, hi, sc);
-    std::vector<F16> acc(n * chunks, F16{});
     if (keys > 0) {
       Scores(it, lo, hi, sc);
       Softmax(n, keys, sc);
-      Values(it, lo, hi, sc, acc.data());
+      Values(it, lo, hi, sc);
     }
-    Store(it, q_start, acc.data(), sc.inv_sum.data());
+    Store(it, q_start, sc);
   }
 
  private:
-  // Calls visit(t, row) for t in [lo, hi), row pointing at key/value t of this kv head: a page
-  // lookup per page, not per row.
+  int64_t ValueTile() const {
+    const int64_t row_bytes = p_.num_kv_heads * p_.head_dim * int64_t(sizeof(float));
+    return std::clamp<int64_t>(kValueTileBytes / row_bytes, 4, 64);
+  }
+
+  // Calls visit(t, row) for t in [lo, hi), row pointing at key/value t (all kv heads): one page
+  // lookup per page. Pages sit at random places in the pool, so the next one is prefetched
+  // while this one is processed.
   template <typename Visit>
   void ForEachRow(const KT* pool, const Item& it, int64_t lo, int64_t hi, Visit&& visit) const {
     const int64_t ps = p_.page_size, row_stride = p_.num_kv_heads * p_.head_dim;
@@ -191,20 +220,26 @@ class Attention {
     for (int64_t t = lo; t < hi;) {
       const int64_t page = std::clamp<int64_t>(table[t / ps], 0, p_.num_pages - 1);
       const int64_t end = std::min(hi, t - t % ps + ps);
-      const KT* row = pool + (page * ps + t % ps) * row_stride + it.kv_head * p_.head_dim;
+      if (end < hi) Prefetch(pool, table[end / ps], std::min(ps, hi - end) * row_stride);
+      const KT* row = pool + (page * ps + t % ps) * row_stride;
       for (; t < end; ++t, row += row_stride) visit(t, row);
     }
   }
 
+  void Prefetch(const KT* pool, int64_t page, int64_t count) const {
+    page = std::clamp<int64_t>(page, 0, p_.num_pages - 1);
+    const char* start = reinterpret_cast<const char*>(pool + page * p_.page_size * p_.num_kv_heads * p_.head_dim);
+    for (int64_t b = 0; b < count * int64_t(sizeof(KT)); b += 64) __builtin_prefetch(start + b);
+  }
+
   void LoadQueries(const Item& it, int64_t q_start, F16* qs) const {
-    const int64_t D = p_.head_dim, G = p_.group, chunks = D / kLanes;
+    const int64_t D = p_.head_dim, chunks = Chunks(), width = p_.num_q_heads * D;
     alignas(64) float row[kMaxHeadDim];
-    for (int64_t r = 0; r < it.rows; ++r)
-      for (int64_t g = 0; g < G; ++g) {
-        const QT* src = q_ + ((q_start + it.row0 + r) * p_.num_q_heads + it.kv_head * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = ToF32(src[d]) * p_.sm_scale;
-        for (int64_t c = 0; c < chunks; ++c) qs[(r * G + g) * chunks + c] = Load(row + c * kLanes);
-      }
+    for (int64_t i = 0; i < int64_t(it.rows) * p_.num_q_heads; ++i) {
+      const QT* src = q_ + (q_start + it.row0) * width + i * D;  // rows are contiguous in q
+      for (int64_t d = 0; d < D; ++d) row[d] = ToF32(src[d]) * p_.sm_scale;
+      for (int64_t c = 0; c < chunks; ++c) qs[i * chunks + c] = Load(row + c * kLanes);
+    }
   }
 
   // Each row's keys: causal (up to its own position) and, with a window, the last `window`.
@@ -213,28 +248,54 @@ class Attention {
       const int64_t pos = pos0 + r;
       const int64_t a = p_.window > 0 ? std::max(lo, pos - (p_.window - 1)) : lo;
       const int64_t b = std::max(a, std::min(pos + 1, hi));
-      for (int64_t g = 0; g < p_.group; ++g) {
-        sc.first[r * p_.group + g] = a - lo;
-        sc.last[r * p_.group + g] = b - lo;
+      for (int64_t h = 0; h < p_.num_q_heads; ++h) {
+        sc.first[r * p_.num_q_heads + h] = a - lo;
+        sc.last[r * p_.num_q_heads + h] = b - lo;
       }
     }
   }
 
-  // scores[i, t - lo] = q_i . k_t for every query vector i of the item and key t in [lo, hi).
+  // scores[i, t - lo] = q_i . k_t(head of i) for every query vector i and key t in [lo, hi),
+  // four keys at a time so that one reduction tree finishes four dot products.
   void Scores(const Item& it, int64_t lo, int64_t hi, Scratch& sc) const {
-    const int64_t n = int64_t(it.rows) * p_.group, chunks = p_.head_dim / kLanes, keys = hi - lo;
-    float* scores = sc.scores.data();
-    const F16* q = sc.q.data();
+    const KT* rows[4];
+    int64_t first = lo, count = 0;
     ForEachRow(k_, it, lo, hi, [&](int64_t t, const KT* src) {
-      F16 k[kMaxChunks];
-      for (int64_t c = 0; c < chunks; ++c) k[c] = Load(src + c * kLanes);
-      const F16* qi = q;
-      for (int64_t i = 0; i < n; ++i, qi += chunks) {
-        F16 s = qi[0] * k[0];
-        for (int64_t c = 1; c < chunks; ++c) s += qi[c] * k[c];
-        scores[i * keys + (t - lo)] = Sum(s);
+      if (count == 0) first = t;
+      rows[count++] = src;
+      if (count == 4) {
+        ScoreKeys(it, rows, 4, first - lo, hi - lo, sc);
+        count = 0;
       }
     });
+    if (count > 0) ScoreKeys(it, rows, count, first - lo, hi - lo, sc);
+  }
+
+  void ScoreKeys(const Item& it, const KT* const* rows, int64_t count, int64_t col, int64_t keys,
+                 Scratch& sc) const {
+    const int64_t chunks = Chunks(), G = p_.group, Hq = p_.num_q_heads;
+    float* scores = sc.scores.data();
+    const F16* q = sc.q.data();
+    for (int64_t h = 0; h < p_.num_kv_heads; ++h) {
+      F16 k[4][kChunks ? kChunks : kMaxChunks];
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t c = 0; c < chunks; ++c)
+          k[j][c] = Load(rows[std::min(j, count - 1)] + h * p_.head_dim + c * kLanes);
+      for (int64_t r = 0; r < it.rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = r * Hq + h * G + g;
+          const F16* qi = q + i * chunks;
+          F16 s0 = qi[0] * k[0][0], s1 = qi[0] * k[1][0], s2 = qi[0] * k[2][0], s3 = qi[0] * k[3][0];
+          for (int64_t c = 1; c < chunks; ++c) {
+            s0 += qi[c] * k[0][c];
+            s1 += qi[c] * k[1][c];
+            s2 += qi[c] * k[2][c];
+            s3 += qi[c] * k[3][c];
+          }
+          const F4 s = Sum4(s0, s1, s2, s3);
+          for (int64_t j = 0; j < count; ++j) scores[i * keys + col + j] = s[j];
+        }
+    }
   }
 
   // Scores -> unnormalised probabilities exp(s - max) over each row's range; 1/sum kept aside.
@@ -242,10 +303,7 @@ class Attention {
     for (int64_t i = 0; i < n; ++i) {
       float* s = sc.scores.data() + i * keys;
       const int64_t a = sc.first[i], b = sc.last[i];
-      if (b <= a) {
-        sc.inv_sum[i] = 0.0f;
-        continue;
-      }
+      if (b <= a) continue;
       if (p_.soft_cap > 0)
         for (int64_t t = a; t < b; ++t) s[t] = p_.soft_cap * std::tanh(s[t] / p_.soft_cap);
       float m = s[a];
@@ -258,7 +316,7 @@ class Attention {
         sum += e;
       }
       float total = Sum(sum);
-      if (t < b) {  // tail: pad lanes with -inf-like values that exp to zero
+      if (t < b) {  // tail: pad lanes with values that exp to zero
         alignas(64) float tail[kLanes];
         for (int l = 0; l < kLanes; ++l) tail[l] = t + l < b ? s[t + l] - m : -1e30f;
         F16 e = Exp(Load(tail));
@@ -271,66 +329,72 @@ class Attention {
     }
   }
 
-  // acc[i] = sum over row i's keys of p[i, t] * v_t, in tiles of keys so each V row loaded into
-  // L1 serves every query vector of the item while the accumulators stay in registers.
-  void Values(const Item& it, int64_t lo, int64_t hi, const Scratch& sc, F16* acc) const {
-    const int64_t n = int64_t(it.rows) * p_.group, chunks = p_.head_dim / kLanes, keys = hi - lo;
-    std::vector<F16> tile(kValueTile * chunks);
-    for (int64_t t0 = 0; t0 < keys; t0 += kValueTile) {
-      const int64_t nt = std::min<int64_t>(kValueTile, keys - t0);
+  // acc[i] += p[i, t] * v_t(head of i) over row i's keys, in tiles of keys so each V row loaded
+  // into L1 serves every query vector of the item while the accumulators stay in registers.
+  void Values(const Item& it, int64_t lo, int64_t hi, Scratch& sc) const {
+    const int64_t chunks = Chunks(), keys = hi - lo, Hkv = p_.num_kv_heads;
+    const int64_t n = int64_t(it.rows) * p_.num_q_heads;
+    F16* tile = sc.tile.data();
+    const int64_t value_tile = ValueTile();
+    for (int64_t t0 = 0; t0 < keys; t0 += value_tile) {
+      const int64_t nt = std::min<int64_t>(value_tile, keys - t0);
       ForEachRow(v_, it, lo + t0, lo + t0 + nt, [&](int64_t t, const KT* src) {
-        F16* dst = tile.data() + (t - lo - t0) * chunks;
-        for (int64_t c = 0; c < chunks; ++c) dst[c] = Load(src + c * kLanes);
+        F16* dst = tile + (t - lo - t0) * Hkv * chunks;
+        for (int64_t c = 0; c < Hkv * chunks; ++c) dst[c] = Load(src + c * kLanes);
       });
       for (int64_t i = 0; i < n; ++i) {
         const int64_t a = std::max(sc.first[i], t0), b = std::min(sc.last[i], t0 + nt);
         if (b <= a) continue;
-        const float* p = sc.scores.data() + i * keys;
+        const int64_t h = (i % p_.num_q_heads) / p_.group;
+        const float* prob = sc.scores.data() + i * keys;
+        F16* acc = sc.acc.data() + i * chunks;
         F16 r[kMaxChunks];
-        for (int64_t c = 0; c < chunks; ++c) r[c] = acc[i * chunks + c];
+        for (int64_t c = 0; c < chunks; ++c) r[c] = acc[c];
         for (int64_t t = a; t < b; ++t) {
-          const F16 w = Splat(p[t]);
-          const F16* vt = tile.data() + (t - t0) * chunks;
+          const F16 w = Splat(prob[t]);
+          const F16* vt = tile + ((t - t0) * Hkv + h) * chunks;
           for (int64_t c = 0; c < chunks; ++c) r[c] += w * vt[c];
         }
-        for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c] = r[c];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = r[c];
       }
     }
   }
 
-  void Store(const Item& it, int64_t q_start, const F16* acc, const float* inv_sum) const {
-    const int64_t D = p_.head_dim, G = p_.group, chunks = D / kLanes;
-    for (int64_t r = 0; r < it.rows; ++r)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = r * G + g;
-        QT* dst = out_ + ((q_start + it.row0 + r) * p_.num_q_heads + it.kv_head * G + g) * D;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const F16 o = acc[i * chunks + c] * Splat(inv_sum[i]);
-          for (int l = 0; l < kLanes; ++l) FromF32(o[l], dst + c * kLanes + l);
-        }
+  void Store(const Item& it, int64_t q_start, const Scratch& sc) const {
+    const int64_t D = p_.head_dim, chunks = Chunks(), width = p_.num_q_heads * D;
+    for (int64_t i = 0; i < int64_t(it.rows) * p_.num_q_heads; ++i) {
+      QT* dst = out_ + (q_start + it.row0) * width + i * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const F16 o = sc.acc[i * chunks + c] * Splat(sc.inv_sum[i]);
+        for (int l = 0; l < kLanes; ++l) FromF32(o[l], dst + c * kLanes + l);
       }
+    }
   }
+
+  int64_t Chunks() const { return kChunks ? kChunks : chunks_; }
 
   Problem p_;
   const QT* q_;
   const KT* k_;
   const KT* v_;
   QT* out_;
+  int64_t chunks_;
 };
 
 // Work items of all live sequences, most expensive first (better balance across threads).
 std::vector<Item> MakeItems(const Problem& p) {
+  // Rows per item: enough query vectors to reuse each K/V row many times, few enough that the
+  // item's queries and accumulators stay in L1 (64 vectors of 64 floats: 16 KB each).
+  const int64_t row_tile = std::clamp<int64_t>(kQueryVectors / p.num_q_heads, 1, 16);
   std::vector<Item> items;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.cu[s + 1] - p.cu[s];
     const int64_t kv = std::clamp<int64_t>(p.kv_lens[s], 0, p.width * p.page_size);
-    for (int64_t r0 = 0; r0 < q_len; r0 += kRowTile) {
-      const int64_t rows = std::min<int64_t>(kRowTile, q_len - r0);
+    for (int64_t r0 = 0; r0 < q_len; r0 += row_tile) {
+      const int64_t rows = std::min<int64_t>(row_tile, q_len - r0);
       int64_t lo, hi;
       KeyRange(p, kv, kv - q_len + r0, rows, &lo, &hi);
-      const int64_t cost = rows * std::max<int64_t>(hi - lo, 1);
-      for (int64_t h = 0; h < p.num_kv_heads; ++h)
-        items.push_back({int32_t(s), int32_t(h), int32_t(r0), int32_t(rows), cost});
+      items.push_back({int32_t(s), int32_t(r0), int32_t(rows), rows * std::max<int64_t>(hi - lo, 1)});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -359,7 +423,7 @@ struct WorkQueue {
   }
 };
 
-template <typename QT, typename KT>
+template <typename QT, typename KT, int kChunks>
 void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
             void* out) {
   QT* o = static_cast<QT*>(out);
@@ -367,7 +431,7 @@ void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* 
   const int64_t live_end = std::clamp<int64_t>(p.cu[p.num_seqs], 0, p.num_tokens);
   std::fill(o + live_end * row, o + p.num_tokens * row, QT(0));  // padding rows
   auto items = std::make_shared<std::vector<Item>>(MakeItems(p));
-  Attention<QT, KT> attention(p, static_cast<const QT*>(q), static_cast<const KT*>(k),
+  Attention<QT, KT, kChunks> attention(p, static_cast<const QT*>(q), static_cast<const KT*>(k),
                               static_cast<const KT*>(v), o);
   auto queue = std::make_shared<WorkQueue>();
   queue->num_items = int64_t(items->size());
@@ -379,6 +443,14 @@ void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* 
   queue->Drain();
   std::unique_lock<std::mutex> lock(queue->mu);
   queue->all_done.wait(lock, [&] { return queue->done.load() >= queue->num_items; });
+}
+
+template <typename QT, typename KT>
+void RunForHeadDim(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
+                   void* out) {
+  if (p.head_dim == 64) RunAll<QT, KT, 4>(pool, p, q, k, v, out);
+  else if (p.head_dim == 128) RunAll<QT, KT, 8>(pool, p, q, k, v, out);
+  else RunAll<QT, KT, 0>(pool, p, q, k, v, out);
 }
 
 bool ValidProblem(const Problem& p) {
@@ -406,10 +478,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const void *qp = q.untyped_data(), *kp = k_pages.untyped_data(), *vp = v_pages.untyped_data();
   void* op = out->untyped_data();
   using ffi::DataType;
-  if (qt == DataType::F32 && kt == DataType::F32) RunAll<float, float>(pool, p, qp, kp, vp, op);
-  else if (qt == DataType::BF16 && kt == DataType::F32) RunAll<uint16_t, float>(pool, p, qp, kp, vp, op);
-  else if (qt == DataType::F32 && kt == DataType::BF16) RunAll<float, uint16_t>(pool, p, qp, kp, vp, op);
-  else if (qt == DataType::BF16 && kt == DataType::BF16) RunAll<uint16_t, uint16_t>(pool, p, qp, kp, vp, op);
+  if (qt == DataType::F32 && kt == DataType::F32) RunForHeadDim<float, float>(pool, p, qp, kp, vp, op);
+  else if (qt == DataType::BF16 && kt == DataType::F32) RunForHeadDim<uint16_t, float>(pool, p, qp, kp, vp, op);
+  else if (qt == DataType::F32 && kt == DataType::BF16) RunForHeadDim<float, uint16_t>(pool, p, qp, kp, vp, op);
+  else if (qt == DataType::BF16 && kt == DataType::BF16) RunForHeadDim<uint16_t, uint16_t>(pool, p, qp, kp, vp, op);
   else return ffi::Error::InvalidArgument("paged attention: q and pages must be float32 or bfloat16");
   return ffi::Error::Success();
 }
