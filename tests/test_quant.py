@@ -45,3 +45,17 @@ def test_int8_engine_serves_finite_outputs(tiny_checkpoints, warmup_inputs):
     agree = np.mean([a[0] == b[0] for a, b in zip(token_ids(outputs), token_ids(f32.generate(
         prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)))])
     assert agree >= 0.5  # first greedy token mostly survives int8 on a random model
+
+
+def test_one_row_16bit_matmul_is_padded_and_exact():
+    """A 1-row bf16 matmul (batch-1 decode) goes through the padded 4-row dot on CPU; the result
+    has the caller's row count and equals the float32 product of the same bf16 values."""
+    from jaxrunner.models.quant import matmul_f32_acc
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+    out = jax.jit(lambda x, w: matmul_f32_acc(x, w, contract=(-1, 1)))(x, w)
+    assert out.shape == (1, 96) and out.dtype == jnp.float32
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
