@@ -66,6 +66,7 @@ class PagedAttention:
         return sharded(q, k, v, layer_cache, meta)
 
     def _local(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window):
+        q = q.astype(layer_cache[0].dtype)  # the model hands float32 q; kernels take the cache's dtype
         # one fused call, so the pools handed back are the ones the kernel's loops carried (no copy)
         out, k_pages, v_pages = kernels.write_kv_and_attend(
             q, k, v, layer_cache[0], layer_cache[1], meta["slot_mapping"], meta["kv_lens"], meta["page_indices"],
