@@ -11,7 +11,8 @@ Caveat, XLA:CPU and 16-bit pools: XLA:CPU has no bf16/f16 scatter; it "normalise
 converting the whole pool to f32, scattering, and converting back -- O(pool) per call (measured:
 ~56 ms for a 2 x 25 MB bf16 pool vs ~0.01 ms for f32, whatever the pool size). A same-width
 integer view does not help (``bitcast_convert_type`` is materialised as a pool-sized copy on
-XLA:CPU). On CPU keep the KV cache in float32; on GPU/TPU bf16 scatters are native.
+XLA:CPU). On CPU the native kernel's write (``native.write_kv_pages_native``, aliased in place)
+handles bf16 pools; without it keep the KV cache in float32. On GPU/TPU bf16 scatters are native.
 
 Padding tokens carry slots inside ``SCRATCH_PAGE`` (page 0), which no sequence owns; several of
 them may hit the same slot, in which case any one of the values lands there -- harmless, since

@@ -27,6 +27,8 @@ import numpy as np
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
+WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
+WRITE_SYMBOL = "JaxrunnerCpuWriteKv"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -100,13 +102,14 @@ def _load() -> None:
         build_library(compiler, path)
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
 
 
 def unavailable_reason() -> str | None:
     """None when the kernel is ready; otherwise why it cannot be used here."""
     try:
         _load()
-    except (NativeKernelUnavailable, OSError, subprocess.SubprocessError) as err:
+    except (NativeKernelUnavailable, OSError, AttributeError, subprocess.SubprocessError) as err:
         return str(err)
     return None
 
@@ -136,3 +139,19 @@ def ragged_paged_attention_native(q, k_pages, v_pages, kv_lens, page_indices, cu
                 i32(num_seqs).reshape(1), sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
                 sliding_window=np.int64(0 if sliding_window is None else sliding_window))
+
+
+def write_kv_pages_native(k_pages, v_pages, k_new, v_new, slot_mapping):
+    """Same contract as :func:`jaxrunner.kernels.kv_write.write_kv_pages`, for float32 and bfloat16
+    pools alike: the outputs alias the input pools, so under donation the write is in place and
+    touches only the T new rows (XLA:CPU's own bf16 scatter converts the whole pool)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NativeKernelUnavailable(reason)
+    if k_new.shape[1:] != k_pages.shape[2:] or v_new.shape != k_new.shape or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_new/v_new {k_new.shape}/{v_new.shape} do not match pool {k_pages.shape}")
+    if slot_mapping.shape != k_new.shape[:1]:
+        raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {k_new.shape[0]}")
+    pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    call = jax.ffi.ffi_call(WRITE_TARGET_NAME, pools, input_output_aliases={0: 0, 1: 1})
+    return tuple(call(k_pages, v_pages, k_new, v_new, jnp.asarray(slot_mapping, jnp.int32)))

@@ -211,3 +211,14 @@ def test_serving_after_warmup_never_compiles(llm, prompts):
         llm.generate(prompts[:2], GREEDY, use_tqdm=False)
     assert compiles == []
     assert_no_pages_held(llm)
+
+
+def test_default_kv_cache_dtype():
+    """bfloat16 keeps a float32 pool on CPU only where the XLA scatter would write it: the native
+    kernel writes bf16 rows in place."""
+    from jaxrunner.engine.startup import default_kv_cache_dtype
+
+    assert default_kv_cache_dtype("bfloat16", "cpu", "xla") == "float32"
+    assert default_kv_cache_dtype("bfloat16", "cpu", "native") == "bfloat16"
+    assert default_kv_cache_dtype("bfloat16", "gpu", "pallas") == "bfloat16"
+    assert default_kv_cache_dtype("float32", "cpu", "native") == "float32"

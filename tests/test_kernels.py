@@ -440,9 +440,36 @@ def test_write_kv_pages_in_place_under_donation():
     assert kp_d.is_deleted()
 
 
-@pytest.mark.parametrize("impl", ["xla", "native"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_write_kv_pages_in_place_any_dtype(dtype):
+    """The native write equals the XLA scatter on every live slot, and under donation it returns
+    the same buffers with no pool-sized copy or convert -- bf16 pools included (XLA:CPU's own bf16
+    scatter converts the whole pool)."""
+    if not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(3)
+    kp, vp, kn, vn, slots, n_live = _write_case(rng, num_pages=64)
+    kp, vp = jnp.asarray(kp, dtype), jnp.asarray(vp, dtype)
+    want = jax.jit(kernels.write_kv_pages)(kp, vp, kn, vn, slots)
+    got = jax.jit(native.write_kv_pages_native)(kp, vp, kn, vn, slots)
+    page_size = kp.shape[1]
+    for w, g in zip(want, got):
+        w = np.asarray(w.astype(jnp.float32)).reshape(-1, *kn.shape[1:])
+        g = np.asarray(g.astype(jnp.float32)).reshape(-1, *kn.shape[1:])
+        np.testing.assert_array_equal(g[page_size:], w[page_size:])  # all but the scratch page
+    fn = jax.jit(native.write_kv_pages_native, donate_argnums=(0, 1))
+    hlo = fn.lower(kp, vp, kn, vn, slots).compile().as_text()
+    assert not pool_sized_ops(hlo, kp.shape), pool_sized_ops(hlo, kp.shape)
+    ptrs = (kp.unsafe_buffer_pointer(), vp.unsafe_buffer_pointer())
+    k2, v2 = fn(kp, vp, kn, vn, slots)
+    assert (k2.unsafe_buffer_pointer(), v2.unsafe_buffer_pointer()) == ptrs
+    with pytest.raises(ValueError):
+        native.write_kv_pages_native(kp, vp, kn[:, :1], vn[:, :1], slots)
+
+
+@pytest.mark.parametrize("impl,dtype", [("xla", "float32"), ("native", "float32"), ("native", "bfloat16")])
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_model_step_shape_keeps_pools_in_place(num_tokens, impl):
+def test_model_step_shape_keeps_pools_in_place(num_tokens, impl, dtype):
     """Two layers of write + attend in one donated jit, as in a model step: no pool-sized copy.
 
     Regression: returning the written pool while the attention loop carried another version of
@@ -463,12 +490,12 @@ def test_model_step_shape_keeps_pools_in_place(num_tokens, impl):
             new.append((kp, vp))
         return sum(outs), new
 
-    cache = [(jnp.zeros(pool_shape), jnp.zeros(pool_shape)) for _ in range(2)]
+    cache = [(jnp.zeros(pool_shape, dtype), jnp.zeros(pool_shape, dtype)) for _ in range(2)]
     k_new = rng.standard_normal((num_tokens, 3, 64)).astype(np.float32)
     slots = np.arange(40, 40 + num_tokens, dtype=np.int32)
     args = (case.q, k_new, k_new, slots, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
     hlo = jax.jit(step, donate_argnums=0).lower(cache, *args).compile().as_text()
-    copies = [m for m in re.finditer(r"= f32\[([\d,]+)\]\S* copy\(", hlo)
+    copies = [m for m in re.finditer(r"= (?:f32|bf16)\[([\d,]+)\]\S* (?:copy|convert)\(", hlo)
               if math.prod(int(x) for x in m.group(1).split(",")) == math.prod(pool_shape)]
     assert not copies, [m.group(0) for m in copies]
 

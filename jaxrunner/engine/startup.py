@@ -13,6 +13,7 @@ import time
 
 import jax
 
+from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.models.loader import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
@@ -33,11 +34,14 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def default_kv_cache_dtype(dtype: str, platform: str) -> str:
-    """The compute dtype, except bfloat16 on CPU: XLA:CPU cannot scatter bfloat16 in place, so a
-    bf16 page write converts the whole pool to f32 and back every layer (measured 56 ms per write
-    for 2 × 25 MB); a float32 pool is written in place."""
-    return "float32" if platform == "cpu" and dtype == "bfloat16" else dtype
+def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
+    """The compute dtype, except bfloat16 on CPU without the native kernel: XLA:CPU cannot scatter
+    bfloat16 in place, so a bf16 page write converts the whole pool to f32 and back every layer
+    (measured 56 ms per write for 2 × 25 MB); a float32 pool is written in place. The native
+    kernel writes bf16 rows in place, and its attention then reads half the bytes."""
+    if platform == "cpu" and dtype == "bfloat16" and attention_impl != "native":
+        return "float32"
+    return dtype
 
 
 def resolve_max_model_len(config: EngineConfig, model: LoadedModel) -> int:
@@ -101,8 +105,9 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
     device = meshes.local_device(mesh)
     budget = warmup.memory_budget(device, config.memory_utilization)
+    impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform))
+                           config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform, impl))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
     spec = dataclasses.replace(template, num_pages=num_pages)
     runner = ModelRunner(cfg, model.params, spec, config.attention_impl, mesh=mesh,
@@ -150,6 +155,7 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "kv_heads": spec.num_kv_heads,
         "kv_head_replication": model.kv_head_replication,
         "attention_impl": runner.attention_impl,
+        "kv_cache_dtype": spec.dtype,
         "bucket_plan": plan.describe(),
         "buckets": per_bucket,
         "compile_s_total": sum(b["compile_s"] for b in per_bucket.values()),

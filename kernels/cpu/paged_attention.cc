@@ -486,7 +486,69 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// KV page write: out pools alias the input pools (input_output_aliases), so XLA hands the donated
+// pool buffers straight through and only the step's T rows are touched -- in any dtype. (XLA:CPU
+// itself cannot scatter bfloat16 in place: it converts the whole pool to f32 and back.)
+
+template <typename NT, typename PT>
+void WriteRows(const NT* src, PT* pool, const int32_t* slots, int64_t tokens, int64_t row,
+               int64_t num_slots, int64_t scratch_slot) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) slot = scratch_slot;  // a bug upstream: never a live page
+    PT* dst = pool + slot * row;
+    for (int64_t i = 0; i < row; ++i) FromF32(ToF32(src[t * row + i]), dst + i);
+  }
+}
+
+template <typename PT>
+void WritePool(const ffi::AnyBuffer& pool_in, ffi::AnyBuffer* pool_out, const ffi::AnyBuffer& rows,
+               const int32_t* slots, int64_t tokens, int64_t row, int64_t num_slots) {
+  PT* dst = static_cast<PT*>(pool_out->untyped_data());
+  if (pool_out->untyped_data() != pool_in.untyped_data())  // not aliased: start from the input
+    std::memcpy(pool_out->untyped_data(), pool_in.untyped_data(), pool_in.size_bytes());
+  if (rows.element_type() == ffi::DataType::F32)
+    WriteRows(static_cast<const float*>(rows.untyped_data()), dst, slots, tokens, row, num_slots, 0);
+  else
+    WriteRows(static_cast<const uint16_t*>(rows.untyped_data()), dst, slots, tokens, row, num_slots, 0);
+}
+
+ffi::Error WriteKv(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
+                   ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slot_mapping,
+                   ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  using ffi::DataType;
+  const auto kd = k_pages.dimensions(), nd = k_new.dimensions();
+  if (kd.size() != 4 || nd.size() != 3 || nd[1] != kd[2] || nd[2] != kd[3] ||
+      slot_mapping.element_count() != size_t(nd[0]))
+    return ffi::Error::InvalidArgument("write_kv: bad shapes");
+  const auto pt = k_pages.element_type(), nt = k_new.element_type();
+  const bool ok_types = (pt == DataType::F32 || pt == DataType::BF16) && (nt == DataType::F32 || nt == DataType::BF16) &&
+                        v_pages.element_type() == pt && v_new.element_type() == nt;
+  if (!ok_types) return ffi::Error::InvalidArgument("write_kv: pools and rows must be float32 or bfloat16");
+  const int64_t row = kd[2] * kd[3], num_slots = kd[0] * kd[1], tokens = nd[0];
+  const int32_t* slots = slot_mapping.typed_data();
+  if (pt == DataType::F32) {
+    WritePool<float>(k_pages, &*k_out, k_new, slots, tokens, row, num_slots);
+    WritePool<float>(v_pages, &*v_out, v_new, slots, tokens, row, num_slots);
+  } else {
+    WritePool<uint16_t>(k_pages, &*k_out, k_new, slots, tokens, row, num_slots);
+    WritePool<uint16_t>(v_pages, &*v_out, v_new, slots, tokens, row, num_slots);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuWriteKv, WriteKv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // k_pages (aliased to k_out)
+                                  .Arg<ffi::AnyBuffer>()         // v_pages (aliased to v_out)
+                                  .Arg<ffi::AnyBuffer>()         // k_new [T, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::AnyBuffer>()         // k_out
+                                  .Ret<ffi::AnyBuffer>());       // v_out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
