@@ -142,7 +142,7 @@ def print_table(records):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--impls", default="reference,xla,pallas")
+    p.add_argument("--impls", default="reference,xla,native,pallas")
     p.add_argument("--shapes", default="decode,prefill,mixed")
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--kv-min", type=int, default=256)
@@ -178,6 +178,8 @@ def main(argv=None):
         case = make_inputs(args, q_lens, kv_lens, rng)
         for impl in impls:
             if impl == "pallas" and backend == "cpu" and not args.pallas_interpret:
+                continue
+            if impl == "native" and backend != "cpu":  # the native kernel is a CPU custom call
                 continue
             if args.sweep_block_q and impl == "xla":
                 bq = 1

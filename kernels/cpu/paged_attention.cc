@@ -13,14 +13,17 @@
 //
 // Work item: (sequence, tile of query rows), all heads: each page is read as one contiguous block
 // and the G = Hq/Hkv query heads of a kv head share every K/V row loaded (GQA without repeating
-// K/V). Pages are looked up once per page, not per row, and the next page is prefetched. Scores for all keys the tile needs are computed first, then an exact softmax per
-// row (vectorised exp), then P @ V over tiles of V rows held in L1 with the accumulators in
-// registers. Items, most expensive first, are spread over XLA's intra-op thread pool; the calling
-// thread works too, so nothing waits on a task that never gets a thread.
+// K/V). Pages are looked up once per page, not per row, and the next page is prefetched. Scores
+// for all keys the tile needs come first (four keys per shuffle-and-add tree), then an exact
+// softmax per row (vectorised exp), then P @ V over tiles of V rows held in L1 with the
+// accumulators in registers. Items, most expensive first, are spread over XLA's intra-op thread
+// pool; the calling thread works too, so nothing waits on a task that never gets a thread.
 //
-// Measured (2-core AMD EPYC, AVX-512, SmolLM2 heads 9/3 x 64, page 16, f32; XLA path in
-// brackets): 64 decodes of kv 150..400 2.8 ms [5.8]; 4 prefills of 256 tokens 5.5 ms [15];
-// 60 decodes + 4 chunks of 128 tokens 7.8 ms [37]. Decode's floor at ~20 GB/s is ~1.4 ms.
+// Measured (2-core AMD EPYC, AVX-512, SmolLM2 heads 9/3 x 64, page 16, f32, min of 40; XLA path
+// in brackets): 64 decodes of kv 150..400 2.0 ms [5.5]; 4 prefills of 256 tokens 3.2 ms [13];
+// 60 decodes + 4 chunks of 128 tokens 5.3 ms [40]. Decode's floor at ~20 GB/s is ~1.4 ms.
+//
+// The file also holds the KV page write (JaxrunnerCpuWriteKv, at the end).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -39,7 +42,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kQueryVectors = 64;  // query rows x heads per work item, at most (prefill)
+constexpr int64_t kQueryVectors = 64;  // query rows x heads per work item, at most
 constexpr int64_t kValueTileBytes = 16 << 10;  // V rows per P @ V tile: about 16 KB, half an L1
 constexpr int kLanes = 16;      // floats per vector (one AVX-512 register; narrower ISAs split it)
 constexpr int kMaxHeadDim = 256;
