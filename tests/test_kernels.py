@@ -429,7 +429,9 @@ def test_write_kv_pages_in_place_under_donation():
     rng = np.random.default_rng(2)
     kp, vp, kn, vn, slots, _ = _write_case(rng, num_pages=512)
     fn = jax.jit(kernels.write_kv_pages, donate_argnums=(0, 1))
-    kp_d, vp_d = jnp.asarray(kp), jnp.asarray(vp)
+    # .copy(): jnp.asarray may alias a suitably aligned numpy buffer on CPU, and a buffer numpy
+    # still owns cannot be donated (XLA then copies, and the pointer check would be flaky)
+    kp_d, vp_d = jnp.asarray(kp).copy(), jnp.asarray(vp).copy()
     hlo = fn.lower(kp_d, vp_d, kn, vn, slots).compile().as_text()
     pool = "f32[%d" % (kp.shape[0] * kp.shape[1])
     copies = [ln for ln in hlo.splitlines() if " copy(" in ln and pool in ln]
@@ -449,7 +451,7 @@ def test_native_write_kv_pages_in_place_any_dtype(dtype):
         pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
     rng = np.random.default_rng(3)
     kp, vp, kn, vn, slots, n_live = _write_case(rng, num_pages=64)
-    kp, vp = jnp.asarray(kp, dtype), jnp.asarray(vp, dtype)
+    kp, vp = jnp.asarray(kp, dtype).copy(), jnp.asarray(vp, dtype).copy()  # XLA-owned: donatable
     want = jax.jit(kernels.write_kv_pages)(kp, vp, kn, vn, slots)
     got = jax.jit(native.write_kv_pages_native)(kp, vp, kn, vn, slots)
     page_size = kp.shape[1]
