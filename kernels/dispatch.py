@@ -78,7 +78,8 @@ def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens
     it, and XLA copies the whole pool at every layer (measured: 60 pool copies per SmolLM2 decode
     step, 18 ms of a 46 ms batch-1 token on CPU).
     """
-    if resolve_impl(impl) == "native":  # in place for bf16 pools too
+    impl = resolve_impl(impl, head_dim=q.shape[-1])  # one choice for the write and the attention
+    if impl == "native":  # in place for bf16 pools too
         from jaxrunner.kernels.native import write_kv_pages_native as write_kv_pages
     else:
         from jaxrunner.kernels.kv_write import write_kv_pages
@@ -94,7 +95,7 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     """Checks, the choice of implementation, and (``return_pools``) the pools to continue with."""
     _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
            soft_cap)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, head_dim=q.shape[-1])
     kw = dict(sm_scale=float(sm_scale),
               sliding_window=None if sliding_window is None else int(sliding_window),
               soft_cap=None if soft_cap is None else float(soft_cap))

@@ -25,14 +25,19 @@ import jax.numpy as jnp
 from jaxrunner.kernels.blocks import SCRATCH_PAGE
 
 
-def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
-    """Scatter ``k_new``/``v_new`` [T, Hkv, D] into the pools at flat ``slot_mapping`` [T]."""
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    if k_new.shape[1:] != (num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+def check_write_shapes(k_pages, v_pages, k_new, v_new, slot_mapping) -> None:
+    """The shape contract of a page write (shared with the native write)."""
+    if k_new.shape[1:] != k_pages.shape[2:] or v_new.shape != k_new.shape or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_new/v_new {k_new.shape}/{v_new.shape} do not match pool "
                          f"{k_pages.shape}")
     if slot_mapping.shape != k_new.shape[:1]:
         raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {k_new.shape[0]}")
+
+
+def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
+    """Scatter ``k_new``/``v_new`` [T, Hkv, D] into the pools at flat ``slot_mapping`` [T]."""
+    check_write_shapes(k_pages, v_pages, k_new, v_new, slot_mapping)
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     # An out-of-range slot (a bug upstream) is sent to the scratch page rather than clamped onto a
     # live page.

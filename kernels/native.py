@@ -118,6 +118,12 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def _require() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NativeKernelUnavailable(reason)
+
+
 def supports(head_dim: int) -> bool:
     """Head sizes the kernel takes: whole 16-float vectors, at most 256."""
     return head_dim % 16 == 0 and 0 < head_dim <= 256
@@ -128,9 +134,7 @@ def ragged_paged_attention_native(q, k_pages, v_pages, kv_lens, page_indices, cu
     """Same contract as :func:`jaxrunner.kernels.reference.ragged_paged_attention_reference`.
 
     Runs on CPU only (the custom call is registered for the CPU platform)."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise NativeKernelUnavailable(reason)
+    _require()
     if not supports(q.shape[-1]):
         raise ValueError(f"the native CPU kernel needs head_dim a multiple of 16 and at most 256, got {q.shape[-1]}")
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
@@ -145,13 +149,10 @@ def write_kv_pages_native(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Same contract as :func:`jaxrunner.kernels.kv_write.write_kv_pages`, for float32 and bfloat16
     pools alike: the outputs alias the input pools, so under donation the write is in place and
     touches only the T new rows (XLA:CPU's own bf16 scatter converts the whole pool)."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise NativeKernelUnavailable(reason)
-    if k_new.shape[1:] != k_pages.shape[2:] or v_new.shape != k_new.shape or v_pages.shape != k_pages.shape:
-        raise ValueError(f"k_new/v_new {k_new.shape}/{v_new.shape} do not match pool {k_pages.shape}")
-    if slot_mapping.shape != k_new.shape[:1]:
-        raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {k_new.shape[0]}")
+    from jaxrunner.kernels.kv_write import check_write_shapes
+
+    _require()
+    check_write_shapes(k_pages, v_pages, k_new, v_new, slot_mapping)
     pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET_NAME, pools, input_output_aliases={0: 0, 1: 1})
     return tuple(call(k_pages, v_pages, k_new, v_new, jnp.asarray(slot_mapping, jnp.int32)))

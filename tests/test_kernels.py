@@ -342,6 +342,22 @@ def test_public_entry_point():
         kernels.ragged_paged_attention(args[0][:, :3], *args[1:], sm_scale=0.1)
 
 
+def test_auto_falls_back_for_heads_the_native_kernel_does_not_take():
+    """impl="auto" on CPU picks per head size: head_dim 72 goes to the XLA path (write and
+    attention alike) instead of failing in the native kernel."""
+    rng = np.random.default_rng(72)
+    case = make_case(rng, [3, 1], [9, 30], num_q_heads=4, num_kv_heads=2, head_dim=72, page_size=8,
+                     num_tokens=8, max_seqs=3)
+    args = [jnp.asarray(a) for a in case.args()]
+    out = jax.jit(functools.partial(kernels.ragged_paged_attention, sm_scale=0.1))(*args)
+    check(out, case, "float32", sm_scale=0.1)
+    k_new = jnp.zeros((8, 2, 72))
+    slots = jnp.full((8,), kernels.SCRATCH_PAGE * 8, jnp.int32)  # writes only the scratch page
+    out, _, _ = jax.jit(functools.partial(kernels.write_kv_and_attend, sm_scale=0.1))(
+        args[0], k_new, k_new, args[1], args[2], slots, *args[3:])
+    check(out, case, "float32", sm_scale=0.1)
+
+
 def test_resolve_impl():
     cpu_choice = "native" if native.available() else "xla"
     assert kernels.resolve_impl() == cpu_choice  # this test machine is CPU-only

@@ -110,7 +110,7 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                            config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform, impl))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
     spec = dataclasses.replace(template, num_pages=num_pages)
-    runner = ModelRunner(cfg, model.params, spec, config.attention_impl, mesh=mesh,
+    runner = ModelRunner(cfg, model.params, spec, impl, mesh=mesh,
                          max_prefill_seqs=config.max_num_prefill_seqs)
     t_alloc = time.perf_counter()
 
