@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int | None = 2048        # capped by the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True           # plan step N+1 while step N runs on the device
     attention_impl: str = "auto"            # auto | pallas | native (CPU) | xla | reference
     kv_cache_dtype: str | None = None       # defaults to dtype (float32 for bf16 on CPU without the native kernel)
     kv_cache_memory_bytes: int | None = None

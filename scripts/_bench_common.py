@@ -45,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: sized by memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step before planning the next (no host/device overlap)")
     g.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "native", "xla", "reference"])
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
@@ -107,6 +109,7 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
                    max_model_len=max_model_len, page_size=args.page_size,
                    enable_prefix_caching=not args.no_prefix_caching,
                    enable_chunked_prefill=not args.no_chunked_prefill, attention_impl=args.attention_impl,
+                   async_scheduling=not args.no_async_scheduling,
                    seed=args.seed, progress=show_progress(args), tensor_parallel_size=args.tensor_parallel_size,
                    data_parallel_size=args.data_parallel_size)
     if args.num_pages is not None:

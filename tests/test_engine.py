@@ -179,6 +179,77 @@ def test_abort_frees_pages(llm, prompts):
     assert_no_pages_held(llm)
 
 
+def record_device_calls(engine) -> list[str]:
+    """Log the runner's dispatches and waits, in order (the real calls go through)."""
+    calls, runner = [], engine.runner
+    dispatch, fetch = runner.dispatch, runner.fetch
+
+    def logged_dispatch(*args):
+        calls.append("dispatch")
+        return dispatch(*args)
+
+    def logged_fetch(*args):
+        calls.append("fetch")
+        return fetch(*args)
+
+    runner.dispatch, runner.fetch = logged_dispatch, logged_fetch
+    return calls
+
+
+def outputs_of(outputs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outputs]
+
+
+def test_async_scheduling_overlaps_and_matches_sync(tiny_checkpoints, prompts, alone):
+    """Step N+1 is dispatched before step N is waited for, and nothing changes in the outputs:
+    greedy and seeded sampling, stop tokens and strings (stops seen one step late), min_tokens,
+    logprobs, a pool small enough to preempt, and an abort while a step is in flight."""
+    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[alone[2][3]]),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10),
+              SamplingParams(temperature=0, max_tokens=9, min_tokens=6, stop_token_ids=[alone[4][1]]),
+              SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=7, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=11, stop=["a"])]
+    workload = [(prompts[i], params[i % len(params)]) for i in range(14)]
+    results = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(tiny_checkpoints["llama"], num_pages=24, async_scheduling=async_scheduling)
+        engine = llm.engine
+        calls = record_device_calls(engine)
+        for i, (prompt, sp) in enumerate(workload):
+            engine.add_request(str(i), prompt, sp)
+        engine.add_request("aborted", prompts[20], SamplingParams(max_tokens=30, ignore_eos=True))
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+            steps += 1
+            if steps == 4:
+                engine.abort_request("aborted")
+        results[async_scheduling] = outputs_of(finished[str(i)] for i in range(len(workload)))
+        assert "aborted" not in finished
+        assert engine.stats()["num_preemptions"] > 0
+        assert_no_pages_held(llm)
+        overlapped = any(calls[i:i + 2] == ["dispatch", "dispatch"] for i in range(len(calls)))
+        assert overlapped == async_scheduling
+    assert results[True] == results[False]
+    assert {reason for _, reason, _ in results[True]} == {"stop", "length"}
+
+
+def test_penalties_make_async_scheduling_wait(llm, tiny_checkpoints, prompts):
+    """Penalties need every past token on the host, so while such a request is unfinished each
+    step is waited for before the next is planned; outputs equal the synchronous engine's."""
+    penalized = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5,
+                               ignore_eos=True)
+    calls = record_device_calls(llm.engine)
+    try:
+        got = outputs_of(llm.generate(prompts[:3], penalized, use_tqdm=False))
+    finally:
+        vars(llm.engine.runner).pop("dispatch"), vars(llm.engine.runner).pop("fetch")
+    assert len(calls) >= 16 and all(calls[i:i + 2] != ["dispatch", "dispatch"] for i in range(len(calls)))
+    sync = make_llm(tiny_checkpoints["llama"], async_scheduling=False)
+    assert got == outputs_of(sync.generate(prompts[:3], penalized, use_tqdm=False))
+    assert got != outputs_of(llm.generate(prompts[:3], GREEDY, use_tqdm=False))  # the penalties did act
+
+
 def test_request_too_big_for_the_pool_is_rejected(tiny_checkpoints):
     small = make_llm(tiny_checkpoints["llama"], num_pages=6, max_num_seqs=1, max_num_batched_tokens=16)  # 40 slots
     with pytest.raises(ValueError):

@@ -87,18 +87,21 @@ class FakeEngine:
         for request in plan.preempted:
             assert request.status is RequestStatus.WAITING and not request.page_ids
 
+    def tokens(self, request: Request) -> list[int]:
+        return request.all_token_ids
+
     def run(self, plan: StepPlan) -> None:
         """All writes of the batch land first, then every chunk reads its whole context."""
         allocator = self.scheduler.allocator
         for chunk in plan.chunks:
-            tokens = chunk.request.all_token_ids
+            tokens = self.tokens(chunk.request)
             for pos in range(chunk.start, chunk.end):
                 page, slot = self.slot(chunk.request, pos)
                 assert allocator.ref_count(page) == 1, "write into a shared page"
                 assert not allocator.is_cached(page), "write into a cached page"
                 self.kv[page, slot] = (pos, tokens[pos])
         for chunk in plan.chunks:
-            tokens = chunk.request.all_token_ids
+            tokens = self.tokens(chunk.request)
             for pos in range(chunk.end):
                 assert self.kv.get(self.slot(chunk.request, pos)) == (pos, tokens[pos]), \
                     f"{chunk.request.request_id} reads wrong KV at position {pos}"
@@ -106,6 +109,59 @@ class FakeEngine:
     def slot(self, request: Request, pos: int) -> tuple[int, int]:
         page_size = self.config.page_size
         return request.page_ids[pos // page_size], pos % page_size
+
+
+class AsyncFakeEngine(FakeEngine):
+    """Plays the engine under async scheduling: step N+1 is planned and 'dispatched' before step
+    N's sampled tokens reach the host. The fake device samples a token when it runs a chunk; the
+    next step reads it on the device (``on_device``), the host learns it one step later. Token 4
+    stands for EOS: a stop the scheduler cannot foresee, so the step already planned computes one
+    wasted token for that request."""
+
+    EOS = 4
+
+    def __init__(self, scheduler: Scheduler, seed: int = 0):
+        super().__init__(scheduler, seed)
+        self.on_device: dict[Request, int] = {}  # sampled by the step in flight, not yet on the host
+        self.sampled: dict[int, dict[Request, int]] = {}  # per plan (by id): what its rows sampled
+        self.in_flight: StepPlan | None = None
+
+    def tokens(self, request: Request) -> list[int]:
+        known = request.all_token_ids
+        return known + [self.on_device[request]] if request.num_pending_outputs else known
+
+    def launch(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        self.check_plan(plan)
+        self.run(plan)
+        assert all(chunk.request.num_pending_outputs <= 1 for chunk in plan.chunks)
+        self.sampled[id(plan)] = {c.request: self.rng.randrange(5) for c in plan.chunks if c.sample}
+        return plan
+
+    def step(self) -> StepPlan:
+        had_work = self.scheduler.has_unfinished()
+        current = self.in_flight or self.launch()
+        if self.in_flight is None:
+            assert current.is_empty == (not had_work), "no progress while requests are unfinished"
+        sampled = self.sampled.pop(id(current))
+        self.scheduler.update(current)
+        for request, token in sampled.items():
+            if not request.is_finished:
+                request.expect_output()
+                self.on_device[request] = token
+        following = self.launch()
+        self.in_flight = None if following.is_empty else following
+        for request, token in sampled.items():
+            if request.is_finished:
+                continue  # it stopped after this step was planned: its token is dropped
+            request.append_output(token)
+            if token == self.EOS:
+                self.scheduler.finish(request, "stop")
+            elif request.num_output_tokens >= request.max_tokens:
+                self.scheduler.finish(request, "length")
+        self.scheduler.check_invariants()
+        self.plans.append(current)
+        return current
 
 
 def assert_all_pages_free(scheduler: Scheduler) -> None:
@@ -136,6 +192,36 @@ def test_request_tokens_grow_with_outputs():
     assert request.all_token_ids == [5, 6, 7, 11] and request.output_token_ids == [11]
     assert (request.num_tokens, request.num_output_tokens) == (4, 1)
     assert request != Request("r", [5, 6, 7])  # identity, not field-wise equality
+
+
+def test_a_token_still_on_the_device_counts_but_is_not_known():
+    request = Request("r", [5, 6, 7], SamplingParams(max_tokens=2))
+    request.expect_output()
+    assert (request.num_tokens, request.num_output_tokens, request.num_expected_outputs) == (4, 0, 1)
+    assert request.all_token_ids == [5, 6, 7]
+    request.append_output(9)
+    assert (request.num_tokens, request.num_pending_outputs, request.all_token_ids) == (4, 0, [5, 6, 7, 9])
+
+
+def test_planning_ahead_feeds_the_pending_token_and_stops_at_max_tokens():
+    """Async scheduling: the step after a decode is planned before its token is known. It
+    computes that pending token (one new token), and a request whose pending token is its last
+    (max_tokens) is not scheduled again."""
+    scheduler = Scheduler(make_config())
+    short, long = make_request("short", [1, 2, 3], max_tokens=1), make_request("long", [4, 5], max_tokens=3)
+    scheduler.add(short)
+    scheduler.add(long)
+    first = scheduler.schedule()
+    scheduler.update(first)
+    for chunk in first.chunks:
+        chunk.request.expect_output()
+    second = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in second.chunks] == [("long", 2, 1, True)]
+    short.append_output(8)
+    scheduler.finish(short, "length")
+    long.append_output(9)
+    scheduler.update(second)
+    assert long.num_computed_tokens == 3 and long.all_token_ids == [4, 5, 9]
 
 
 def test_config_and_allocator_checks():
@@ -467,9 +553,10 @@ def expected_rejection(config: SchedulerConfig, prompt, max_tokens) -> bool:
 
 
 @settings(max_examples=150, deadline=None)
-@given(workloads())
-def test_random_workloads_keep_every_invariant(workload):
-    """Random arrivals, prompts sharing prefixes, aborts, pool sizes, chunking on and off.
+@given(workloads(), st.booleans())
+def test_random_workloads_keep_every_invariant(workload, async_scheduling):
+    """Random arrivals, prompts sharing prefixes, aborts, pool sizes, chunking on and off, steps
+    planned before or after the previous step's tokens are known (async scheduling).
 
     Every step: budget and max_num_seqs hold, pages are neither leaked nor owned twice, the
     scratch page is never handed out, writes never land in shared pages and every read sees the
@@ -478,7 +565,7 @@ def test_random_workloads_keep_every_invariant(workload):
     """
     config, specs, seed = workload
     scheduler = Scheduler(config)
-    engine = FakeEngine(scheduler, seed)
+    engine = (AsyncFakeEngine if async_scheduling else FakeEngine)(scheduler, seed)
     accepted, rejected, abort_at = [], [], {}
     step = 0
     while step <= 12 or scheduler.has_unfinished():
@@ -508,6 +595,8 @@ def test_random_workloads_keep_every_invariant(workload):
         assert request.status is RequestStatus.FINISHED
         if request.finish_reason == "length":
             assert request.num_output_tokens == request.max_tokens
+        elif request.finish_reason == "stop":
+            assert async_scheduling and request.output_token_ids[-1] == AsyncFakeEngine.EOS
         else:
             assert request.finish_reason == "abort"
     assert len(accepted) + len(rejected) == len(specs)
@@ -556,10 +645,12 @@ def test_shared_system_prompt_is_computed_once(system_pages, page_size, suffixes
     chunked=st.booleans(),
     caching=st.booleans(),
     seed=st.integers(0, 1000),
+    async_scheduling=st.booleans(),
 )
 def test_tiny_pool_forces_preemption_and_still_finishes(num_requests, prompt_len, chunked,
-                                                        caching, seed):
-    """A pool that fits two prompts but not two whole lives: preemption must kick in."""
+                                                        caching, seed, async_scheduling):
+    """A pool that fits two prompts but not two whole lives: preemption must kick in, also while
+    a preempted request's last token is still on the device (async scheduling)."""
     page_size, max_tokens = 2, 10
     pages_per_life = cdiv(prompt_len + max_tokens - 1, page_size)
     usable_pages = max(pages_per_life, 2 * cdiv(prompt_len, page_size))
@@ -573,7 +664,10 @@ def test_tiny_pool_forces_preemption_and_still_finishes(num_requests, prompt_len
                 for i in range(num_requests)]
     for request in requests:
         scheduler.add(request)
-    FakeEngine(scheduler, seed).run_until_done()
+    engine = (AsyncFakeEngine if async_scheduling else FakeEngine)(scheduler, seed)
+    if async_scheduling:
+        engine.EOS = -1  # no early stops: every request lives its whole life
+    engine.run_until_done()
     assert scheduler.num_preemptions > 0
     assert sum(r.num_preemptions for r in requests) == scheduler.num_preemptions
     assert all(r.num_output_tokens == max_tokens for r in requests)

@@ -40,6 +40,31 @@ def test_dummy_batches_are_valid_and_never_touch_the_scratch_page():
         live_slots = batch["slot_mapping"][: cu[n]]
         assert np.all(live_slots >= 8)
         assert np.any(batch["token_ids"][: cu[n]] != 0)
+        feed = batch["feed_rows"]
+        assert np.all(feed[cu[n]:] == -1) and np.all(feed < BUCKET.num_seqs)
+
+
+def test_pack_step_feeds_a_token_still_on_the_device():
+    """Async scheduling: a decode whose input token was sampled by the step in flight gets a
+    placeholder id and the row of that step's output to read it from."""
+    from jaxrunner.engine.request import Request
+    from jaxrunner.engine.scheduler import ScheduledChunk
+    from jaxrunner.runner.batch import pack_step
+    from jaxrunner.sampling_params import SamplingParams
+
+    known = Request("known", [5, 6, 7], SamplingParams(max_tokens=4), seed=1)
+    known.append_output(8)
+    pending = Request("pending", [9, 10], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[3]), seed=2)
+    pending.expect_output()
+    for request, computed, pages in ((known, 3, [1]), (pending, 2, [2])):
+        request.num_computed_tokens, request.page_ids = computed, pages
+    chunks = [ScheduledChunk(known, 3, 1), ScheduledChunk(pending, 2, 1)]
+    batch = pack_step(chunks, Bucket(16, 4, 2), 8, feed_rows={pending: 5})
+    assert batch["token_ids"][:2].tolist() == [8, 0] and batch["feed_rows"][:3].tolist() == [-1, 5, -1]
+    assert batch["sampling"]["positions"][:2].tolist() == [4, 3]
+    assert batch["sampling"]["banned"][1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
+    with pytest.raises(RuntimeError, match="on the device"):
+        pack_step(chunks, Bucket(16, 4, 2), 8)
 
 
 def test_random_and_zero_batches_lower_to_the_same_program(tiny_checkpoints):

@@ -1,8 +1,16 @@
 """LLMEngine: the serving loop — add requests, step, abort, stream outputs.
 
-One ``step()``: the scheduler plans (host), the batch is packed at a bucket shape, the runner runs
-one precompiled executable (device), then sampled tokens are appended, detokenized and checked
-for stops, and finished requests free their pages — all in the step that finishes them.
+One step: the scheduler plans (host), the batch is packed at a bucket shape, the runner runs one
+precompiled executable (device), then sampled tokens are appended, detokenized and checked for
+stops, and finished requests free their pages.
+
+Async scheduling (the default, like vLLM's ``async_scheduling``): ``step()`` plans and dispatches
+step N+1 *before* it waits for step N, so the host's planning, packing and dispatch overlap the
+device. Step N's sampled tokens stay on the device and feed N+1 (``feed_rows``); the scheduler
+counts them as pending (``Request.expect_output``). A request that stops at step N (EOS, stop
+string) has one wasted token computed in N+1, which is dropped; one that reaches ``max_tokens``
+is not scheduled again. Steps whose requests use penalties (which need every past token on the
+host) run synchronously. Each ``step()`` still returns the outputs of exactly one step.
 """
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ import dataclasses
 import itertools
 import logging
 import math
+
+import jax
 
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
@@ -22,7 +32,7 @@ from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
-from jaxrunner.runner.batch import pack_step
+from jaxrunner.runner.batch import needs_history, pack_step
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
@@ -45,6 +55,7 @@ class _Tracked:
 class _PendingStep:
     plan: object             # the scheduler's StepPlan
     device_outputs: dict     # the runner's sampled arrays, possibly still being computed
+    updated: bool = False    # the scheduler already counted its tokens as computed (async)
 
 
 class LLMEngine:
@@ -78,6 +89,7 @@ class LLMEngine:
         # recent steps only: a long-running server must not grow a list per step forever
         self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
         self.num_steps = 0
+        self._in_flight: _PendingStep | None = None  # async scheduling: dispatched, not yet waited for
 
     @classmethod
     def from_config(cls, **kwargs) -> "LLMEngine":
@@ -143,33 +155,65 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        return self.complete_step(self.launch_step())
+        """Run one step and return its outputs (async scheduling: the next one is already running)."""
+        current = self._in_flight or self.launch_step()
+        self._in_flight = None
+        if current is not None and self._async_enabled() and self._can_plan_behind():
+            self._in_flight = self._launch_behind(current)
+        return self.complete_step(current)
 
     def launch_step(self) -> "_PendingStep | None":
         """Schedule and dispatch one step without waiting for the device (``None``: nothing to do).
 
         Split from ``complete_step`` so a front end driving several replicas can start all of them
         before it waits for any."""
+        return self._launch(feed_rows=None)
+
+    def _launch(self, feed_rows: dict | None) -> "_PendingStep | None":
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return None
         widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
         bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
         batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids,
-                          self.config.max_num_prefill_seqs)
+                          self.config.max_num_prefill_seqs, feed_rows)
         return _PendingStep(plan, self.runner.dispatch(bucket, batch))
+
+    def _async_enabled(self) -> bool:
+        # several processes run one deterministic schedule each; keep them in lockstep, synchronously
+        return self.config.async_scheduling and jax.process_count() == 1
+
+    def _can_plan_behind(self) -> bool:
+        """Whether the next step can be planned before the current step's tokens are on the host: not
+        when a request's sampling needs its whole history (penalties) on the host."""
+        return not any(needs_history(request.sampling_params)
+                       for request in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+
+    def _launch_behind(self, current: _PendingStep) -> "_PendingStep | None":
+        """Plan and dispatch the step after ``current`` while ``current`` runs on the device."""
+        self.scheduler.update(current.plan)
+        current.updated = True
+        feed_rows = {}
+        for row, chunk in enumerate(current.plan.chunks):
+            if chunk.sample and not chunk.request.is_finished:
+                chunk.request.expect_output()
+                feed_rows[chunk.request] = row
+        return self._launch(feed_rows)
 
     def complete_step(self, pending: "_PendingStep | None") -> list[RequestOutput]:
         """Wait for a launched step, then append, detokenize and finish its requests."""
         if pending is None:
             return []
         plan, sampled = pending.plan, self.runner.fetch(pending.device_outputs)
-        self.scheduler.update(plan)
+        if not pending.updated:
+            self.scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
         self.num_steps += 1
-        # chunk.sample was fixed when the plan was made, so appending tokens below cannot change it
+        # chunk.sample was fixed when the plan was made, so appending tokens below cannot change it.
+        # A request finished or aborted since the plan was made gets nothing (async: its stop was
+        # only seen after this step had been dispatched).
         return [self._accept_token(chunk.request, sampled, row) for row, chunk in enumerate(plan.chunks)
-                if chunk.sample]
+                if chunk.sample and not chunk.request.is_finished]
 
     def num_unfinished_requests(self) -> int:
         return len(self._tracked)

@@ -2,7 +2,9 @@
 
 A ``Request`` is plain data shared by three owners, each touching its own fields:
 
-* the engine appends sampled tokens (``append_output``) and decides when it is done;
+* the engine appends sampled tokens (``append_output``) and decides when it is done; with async
+  scheduling it first counts a token that a dispatched step will sample (``expect_output``), so
+  the next step can be planned before that token reaches the host;
 * the scheduler moves it between WAITING and RUNNING and advances ``num_computed_tokens``;
 * the page allocator fills ``page_ids`` and ``num_cached_tokens``.
 
@@ -46,6 +48,9 @@ class Request:
     # lowers it (e.g. to what is left of max_model_len after the prompt).
     max_tokens: int | None = None
     seed: int | None = None  # the sampler's seed for this request, chosen by the engine
+    # Tokens sampled by a step still on the device: counted in num_tokens, not yet in
+    # output_token_ids (the next step reads them on the device). At most one under async scheduling.
+    num_pending_outputs: int = 0
 
     def __post_init__(self) -> None:
         # Own the list: the caller's prompt must not change under the prefix-cache hashes.
@@ -55,12 +60,13 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        """Prompt followed by outputs (a fresh list)."""
+        """Prompt followed by the outputs known on the host (a fresh list)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + outputs, counting outputs still on the device."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_outputs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,5 +80,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def num_expected_outputs(self) -> int:
+        """Outputs known on the host plus those still on the device."""
+        return len(self.output_token_ids) + self.num_pending_outputs
+
+    def expect_output(self) -> None:
+        """A dispatched step samples this request's next token; it arrives via ``append_output``."""
+        self.num_pending_outputs += 1
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
+        self.num_pending_outputs = max(0, self.num_pending_outputs - 1)

@@ -15,7 +15,9 @@ yield, which is why scheduling always makes progress, and ``add`` refuses reques
 fit even alone.
 
 The scheduler only counts tokens. The engine appends sampled tokens, checks stop conditions and
-calls ``finish``.
+calls ``finish``. Under async scheduling a request's last sampled token may still be on the device
+(``Request.num_pending_outputs``): it counts as a token to compute like any other, and a request
+whose pending token is its last (``max_tokens``) is not scheduled again.
 """
 from __future__ import annotations
 
@@ -201,6 +203,8 @@ class Scheduler:
         for request in sorted(self.running, key=self._is_prefilling):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
+            if request.num_expected_outputs >= request.max_tokens:
+                continue  # its last token is still on the device: it finishes by length on arrival
             num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
             if num_new == 0 or not step.has_prefill_slot(num_new):
                 continue

@@ -3,6 +3,10 @@
 The batch is the only thing the jitted step sees. Padding is inert by construction: padded tokens
 write their K/V into the scratch page, padded sequences have no query rows and ``kv_len`` 0, and
 page-table entries past a sequence's pages point at the scratch page.
+
+Async scheduling: a token sampled by the step still on the device is not known here. Its slot in
+``token_ids`` holds 0 and ``feed_rows`` names the row of the previous step's sampled tokens that the
+jitted step reads instead (-1 everywhere else).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from jaxrunner.runner.sampler import NO_TOKEN
 
 SCRATCH_PAGE = 0
 MAX_BANNED_TOKENS = 16  # EOS + stop_token_ids suppressed while min_tokens is not reached
+NO_FEED = -1            # feed_rows entry of a token known on the host
 
 
 def empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
@@ -20,6 +25,7 @@ def empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
     t, s, w = bucket.num_tokens, bucket.num_seqs, bucket.num_pages
     return {
         "token_ids": np.zeros(t, np.int32),
+        "feed_rows": np.full(t, NO_FEED, np.int32),
         "positions": np.zeros(t, np.int32),
         "slot_mapping": np.full(t, SCRATCH_PAGE * page_size, np.int32),
         "page_indices": np.full((s, w), SCRATCH_PAGE, np.int32),
@@ -58,10 +64,13 @@ def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
     sampling["positions"][row] = request.num_tokens
     sampling["prompt_lens"][row] = request.num_prompt_tokens
     sampling["num_logprobs"][row] = sp.logprobs or 0
-    if sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
+    if needs_history(sp):
+        if request.num_pending_outputs:
+            raise RuntimeError(f"request {request.request_id!r}: penalties need every past token on the host, "
+                               "but one is still on the device (async scheduling must wait for it)")
         history = request.all_token_ids
         sampling["history"][row, :len(history)] = history
-    if len(request.output_token_ids) < sp.min_tokens:
+    if request.num_expected_outputs < sp.min_tokens:
         banned = list(sp.stop_token_ids or [])
         if not sp.ignore_eos:
             banned += list(eos_token_ids)
@@ -69,12 +78,30 @@ def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
         sampling["banned"][row, :len(banned)] = banned
 
 
+def needs_history(params) -> bool:
+    """Whether sampling reads the request's past tokens (repetition/presence/frequency penalties)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def _fill_tokens(batch: dict, cursor: int, request, start: int, count: int, feed_rows) -> None:
+    """Token ids of ``[start, start + count)``; one still on the device is fed from its row."""
+    known = request.all_token_ids[start:start + count]
+    batch["token_ids"][cursor:cursor + len(known)] = known
+    if len(known) == count:
+        return
+    if count - len(known) != 1 or feed_rows is None or request not in feed_rows:
+        raise RuntimeError(f"request {request.request_id!r}: {count - len(known)} of its tokens are on the "
+                           "device and no step in flight samples them")
+    batch["feed_rows"][cursor + count - 1] = feed_rows[request]
+
+
 def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
-              max_prefill_seqs: int | None = None) -> dict[str, np.ndarray]:
+              max_prefill_seqs: int | None = None, feed_rows: dict | None = None) -> dict[str, np.ndarray]:
     """Lay out the scheduled chunks (decodes and prefill chunks alike) back to back.
 
     ``max_prefill_seqs`` is the bound the executables were compiled with: a plan that breaks it
-    would silently drop attention blocks, so it is refused here.
+    would silently drop attention blocks, so it is refused here. ``feed_rows`` maps a request whose
+    last token is still on the device to its row in the step that samples it (async scheduling).
     """
     prefills = sum(chunk.num_tokens > 1 for chunk in chunks)
     if max_prefill_seqs is not None and prefills > max_prefill_seqs:
@@ -86,7 +113,7 @@ def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
         stop = start + count
         positions = np.arange(start, stop, dtype=np.int32)
         pages = np.asarray(request.page_ids, np.int32)
-        batch["token_ids"][cursor:cursor + count] = request.all_token_ids[start:stop]
+        _fill_tokens(batch, cursor, request, start, count, feed_rows)
         batch["positions"][cursor:cursor + count] = positions
         batch["slot_mapping"][cursor:cursor + count] = pages[positions // page_size] * page_size + positions % page_size
         batch["page_indices"][row, :len(pages)] = pages

@@ -1,9 +1,11 @@
 """The functional model step and the object that holds its device state between steps.
 
-``model_step(params, kv_cache, batch) -> (sampled, kv_cache)`` is pure and jitted once per bucket
-shape with the cache donated, so XLA updates the page pool in place. ``ModelRunner`` only keeps the
-current params/cache references and turns numpy batches into one device call and one device→host
-copy per step.
+``model_step(params, kv_cache, batch, feed) -> (sampled, feed, kv_cache)`` is pure and jitted once
+per bucket shape with the cache donated, so XLA updates the page pool in place. ``feed`` carries
+the sampled token ids from one step to the next on the device (async scheduling: the host plans
+step N+1 while step N runs, so step N's tokens are not known when N+1 is packed). ``ModelRunner``
+only keeps the current params/cache/feed references and turns numpy batches into one device call
+and one device→host copy per step.
 """
 from __future__ import annotations
 
@@ -25,12 +27,19 @@ from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner import sampler
 
 
-def model_step(params, kv_cache, batch, *, cfg: ModelConfig, attention):
-    """Forward the packed tokens, take each sequence's last row, sample one token per sequence."""
-    hidden, kv_cache = llama.forward(params, cfg, batch["token_ids"], batch["positions"], kv_cache, batch,
-                                     attention)
+def model_step(params, kv_cache, batch, feed, *, cfg: ModelConfig, attention):
+    """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
+
+    Token slots with ``feed_rows >= 0`` take their id from ``feed`` (the previous step's sampled
+    tokens); the returned feed holds this step's, padded to the same fixed length.
+    """
+    fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
+    token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
+    hidden, kv_cache = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch, attention)
     logits = llama.compute_logits(params, cfg, jnp.take(hidden, batch["logits_indices"], axis=0))
-    return sampler.sample(logits, batch["sampling"]), kv_cache
+    sampled = sampler.sample(logits, batch["sampling"])
+    next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), sampled["tokens"].astype(feed.dtype), (0,))
+    return sampled, next_feed, kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +80,8 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
-                 mesh=None, max_prefill_seqs: int | None = None):
+                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512):
+        """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed)."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
@@ -87,14 +97,16 @@ class ModelRunner:
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
             self._jitted_step = jax.jit(step, donate_argnums=(1,))  # compile time (~10% measured)
         else:
-            self._jitted_step = jax.jit(step, in_shardings=(param_shardings, cache_shardings, self.batch_sharding),
-                                        out_shardings=(self.batch_sharding, cache_shardings), donate_argnums=(1,))
+            replicated = self.batch_sharding
+            self._jitted_step = jax.jit(step, in_shardings=(param_shardings, cache_shardings, replicated, replicated),
+                                        out_shardings=(replicated, replicated, cache_shardings), donate_argnums=(1,))
         self._executables: dict = {}
         self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
         self.kv_cache = cache_spec.allocate(pool)
+        self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
 
     def lower(self, batch):
-        return self._jitted_step.lower(self.params, self.kv_cache, batch)
+        return self._jitted_step.lower(self.params, self.kv_cache, batch, self.feed)
 
     def compile_all(self, batches: dict, workers: int | None = None) -> dict:
         """Compile one executable per bucket (``{bucket: example batch}``); returns per-bucket info.
@@ -138,13 +150,15 @@ class ModelRunner:
         return self.fetch(self.dispatch(bucket, batch))
 
     def dispatch(self, bucket, batch):
-        """Start one step (asynchronously) and return its device outputs; see ``fetch``."""
+        """Start one step (asynchronously) and return its device outputs; see ``fetch``.
+
+        The step reads the token feed of the step dispatched before it (its ``feed_rows``)."""
         executable = self._executables.get(bucket)
         if executable is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at warm-up")
         if jax.process_count() > 1:  # every process passes the same batch as one global array
             batch = jax.device_put(batch, self.batch_sharding)
-        sampled, self.kv_cache = executable(self.params, self.kv_cache, batch)
+        sampled, self.feed, self.kv_cache = executable(self.params, self.kv_cache, batch, self.feed)
         return sampled
 
     @staticmethod

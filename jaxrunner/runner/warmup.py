@@ -100,6 +100,9 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
         batch["sampling"]["prompt_lens"][s] = int(rng.integers(1, kv_len + 1))
     batch["cu_q_lens"][num_seqs + 1:] = cursor
     batch["num_seqs"][...] = num_seqs
+    # some tokens read the previous step's sampled ids on the device (async scheduling)
+    fed = rng.random(cursor) < 0.25
+    batch["feed_rows"][:cursor] = np.where(fed, rng.integers(0, bucket.num_seqs, cursor), -1)
     _fill_random_sampling(rng, batch["sampling"], num_seqs, vocab_size)
     return batch
 
