@@ -70,9 +70,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
     rotate_half is a [D, D] signed-permutation matmul rather than slices and a concatenate:
     XLA:CPU's loop fusion of the concatenate ran at ~3 ns per element (~10 ms of RoPE in a
-    128-token bf16 prefill); the matmul and a plain elementwise fusion take about half that. The result is
-    bitwise the same (each output is one input times ±1). HIGHEST precision keeps GPUs and TPUs
-    from rounding x to TF32/bf16 in that product.
+    128-token bf16 prefill); the matmul and a plain elementwise fusion take about half that.
+    The result is bitwise the same (each output is one input times ±1). HIGHEST precision keeps
+    GPUs and TPUs from rounding x to TF32/bf16 in that product.
     """
     rotated = jnp.matmul(x, jnp.asarray(_rotate_half_matrix(x.shape[-1])), precision=jax.lax.Precision.HIGHEST)
     shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
