@@ -43,6 +43,11 @@ class SamplingParams:
         """True when the sampler should take the argmax (temperature is, in effect, 0)."""
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def uses_penalties(self) -> bool:
+        """True when sampling reads the request's past tokens (repetition/presence/frequency)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     # -- validation ---------------------------------------------------------------------------
 
     def _check_counts(self) -> None:

@@ -32,7 +32,7 @@ from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
-from jaxrunner.runner.batch import needs_history, pack_step
+from jaxrunner.runner.batch import pack_step
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
@@ -186,7 +186,7 @@ class LLMEngine:
     def _can_plan_behind(self) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
         when a request's sampling needs its whole history (penalties) on the host."""
-        return not any(needs_history(request.sampling_params)
+        return not any(request.sampling_params.uses_penalties
                        for request in itertools.chain(self.scheduler.running, self.scheduler.waiting))
 
     def _launch_behind(self, current: _PendingStep) -> "_PendingStep | None":

@@ -64,7 +64,7 @@ def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
     sampling["positions"][row] = request.num_tokens
     sampling["prompt_lens"][row] = request.num_prompt_tokens
     sampling["num_logprobs"][row] = sp.logprobs or 0
-    if needs_history(sp):
+    if sp.uses_penalties:
         if request.num_pending_outputs:
             raise RuntimeError(f"request {request.request_id!r}: penalties need every past token on the host, "
                                "but one is still on the device (async scheduling must wait for it)")
@@ -76,11 +76,6 @@ def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
             banned += list(eos_token_ids)
         banned = banned[:MAX_BANNED_TOKENS]
         sampling["banned"][row, :len(banned)] = banned
-
-
-def needs_history(params) -> bool:
-    """Whether sampling reads the request's past tokens (repetition/presence/frequency penalties)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _fill_tokens(batch: dict, cursor: int, request, start: int, count: int, feed_rows) -> None:
