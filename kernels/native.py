@@ -1,4 +1,5 @@
-"""The native CPU kernel (``cpu/paged_attention.cc``): built on first use, called through XLA's FFI.
+"""The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row bf16
+matmul): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
 ``-march=native`` for the machine it runs on (AVX-512 where there is one), against the FFI
@@ -24,11 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
+CPU_DIR = Path(__file__).with_name("cpu")
+SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc")
+HEADERS = (CPU_DIR / "work_queue.h",)
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
 WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
 WRITE_SYMBOL = "JaxrunnerCpuWriteKv"
+MATMUL_TARGET_NAME = "jaxrunner_cpu_small_matmul"
+MATMUL_SYMBOL = "JaxrunnerCpuSmallMatmul"
+MATMUL_MAX_ROWS = 4
+MATMUL_K_SPLITS = 4  # [K, N] weights: work items, each a contiguous block of K rows (partial sums)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -66,7 +73,8 @@ def _library_path(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
@@ -78,11 +86,11 @@ def build_library(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise NativeKernelUnavailable(f"building {SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+            raise NativeKernelUnavailable(f"building the native CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -103,6 +111,7 @@ def _load() -> None:
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, MATMUL_SYMBOL)), platform="cpu")
 
 
 def unavailable_reason() -> str | None:
@@ -156,3 +165,29 @@ def write_kv_pages_native(k_pages, v_pages, k_new, v_new, slot_mapping):
     pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET_NAME, pools, input_output_aliases={0: 0, 1: 1})
     return tuple(call(k_pages, v_pages, k_new, v_new, jnp.asarray(slot_mapping, jnp.int32)))
+
+
+def small_matmul_supported(x, w, transposed: bool) -> bool:
+    """Shapes and dtypes :func:`small_matmul_native` takes: bf16 ``x`` [1..4, K] and ``w``, with N
+    a multiple of 16 for ``w`` [K, N], or K a multiple of 32 for ``w`` [N, K]."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        return False
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    fits = k % 32 == 0 if transposed else n % 16 == 0
+    return 1 <= x.shape[0] <= MATMUL_MAX_ROWS and x.shape[1] == k and fits
+
+
+def small_matmul_native(x, w, *, transposed: bool = False):
+    """``x @ w`` (``x @ w.T`` when ``transposed``) with a float32 result, for bf16 operands and
+    1 to 4 rows: each weight is read once, on all threads (see ``cpu/small_matmul.cc``)."""
+    _require()
+    if not small_matmul_supported(x, w, transposed):
+        raise ValueError(f"the native small matmul takes bf16 x [1..{MATMUL_MAX_ROWS}, K] and w; got "
+                         f"x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, transposed={transposed}")
+    rows = x.shape[0]
+    if transposed:
+        call = jax.ffi.ffi_call(MATMUL_TARGET_NAME, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))
+        return call(x, w, transposed=np.int64(1))
+    splits = min(MATMUL_K_SPLITS, w.shape[0])
+    call = jax.ffi.ffi_call(MATMUL_TARGET_NAME, jax.ShapeDtypeStruct((splits, rows, w.shape[1]), jnp.float32))
+    return call(x, w, transposed=np.int64(0)).sum(axis=0)  # XLA fuses the sum into what follows

@@ -59,17 +59,24 @@ def linear_f32(x: jax.Array, w) -> jax.Array:
 
 
 MIN_16BIT_ROWS = 4  # XLA:CPU's one-row 16-bit dot (a GEMV) is far slower than a 4-row one
+NATIVE_MATMUL_ROWS = 1  # rows the native bf16 CPU matmul takes over (measured slower than XLA at 4)
 
 
 def matmul_f32_acc(x: jax.Array, w: jax.Array, contract: tuple[int, int] = (-1, 0)) -> jax.Array:
     """``x`` [rows, ...] contracted with ``w`` over (x's ``contract[0]``, w's ``contract[1]``),
     float32 result.
 
-    On CPU a 16-bit ``x`` with fewer than ``MIN_16BIT_ROWS`` rows is padded to that many: XLA:CPU
-    routes a one-row bf16 dot to a GEMV that measured 9x slower than the same dot with four rows
-    (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms; float32: 4.2 ms), which made bfloat16
-    batch-1 decoding ~6x slower than float32."""
+    On one CPU device a one-row bf16 ``x`` and ``w`` go to the native kernel
+    (``jaxrunner.kernels.native.small_matmul_native``), which streams each weight once: a batch-1
+    decode reads every weight per token, and XLA:CPU read them at ~9 GB/s against ~16 (1.8x) for
+    the kernel on the large projections. Other 16-bit ``x`` with fewer than ``MIN_16BIT_ROWS`` rows
+    are padded to that many: XLA:CPU routes a one-row bf16 dot to a GEMV that measured 9x slower
+    than the same dot with four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms)."""
     dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
+    native_layout = _native_matmul_layout(x, w, dims)
+    if native_layout is not None:
+        from jaxrunner.kernels import native
+        return native.small_matmul_native(x, w, transposed=native_layout)
     rows = x.shape[0]
     pad = (x.ndim == 2 and dims[0][0][0] == 1 and rows < MIN_16BIT_ROWS and x.dtype != jnp.float32
            and jax.default_backend() == "cpu")
@@ -77,6 +84,21 @@ def matmul_f32_acc(x: jax.Array, w: jax.Array, contract: tuple[int, int] = (-1, 
         x = jnp.pad(x, ((0, MIN_16BIT_ROWS - rows), (0, 0)))
     out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
     return out[:rows] if pad else out
+
+
+def _native_matmul_layout(x, w, dims) -> bool | None:
+    """Whether ``w`` is [N, K] (True) or [K, N] (False) when the native CPU matmul takes this
+    product; None when it does not (other backends, sharded runs over several devices, shapes,
+    dtypes, or no C++ compiler)."""
+    if x.ndim != 2 or w.ndim != 2 or dims[0][0] != (1,) or x.shape[0] > NATIVE_MATMUL_ROWS:
+        return None
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return None
+    from jaxrunner.kernels import native
+    transposed = dims[0][1] == (1,)
+    if not native.small_matmul_supported(x, w, transposed) or not native.available():
+        return None
+    return transposed
 
 
 def quantize_params_int8(params: dict) -> dict:

@@ -25,17 +25,14 @@
 //
 // The file also holds the KV page write (JaxrunnerCpuWriteKv, at the end).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -427,27 +424,6 @@ std::vector<Item> MakeItems(const Problem& p) {
   return items;
 }
 
-// Shared by the caller and its helper tasks; helpers that start after all items are claimed
-// touch only this state (never the buffers), so it outlives the call through shared_ptr.
-struct WorkQueue {
-  std::function<void(int64_t, Scratch&)> run;
-  int64_t num_items = 0;
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
-
-  void Drain() {
-    Scratch scratch;
-    for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
-      run(i, scratch);
-      if (done.fetch_add(1) + 1 == num_items) {
-        std::lock_guard<std::mutex> lock(mu);
-        all_done.notify_all();
-      }
-    }
-  }
-};
-
 template <typename QT, typename KT, int kChunks>
 void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
             void* out) {
@@ -458,16 +434,9 @@ void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* 
   auto items = std::make_shared<std::vector<Item>>(MakeItems(p));
   Attention<QT, KT, kChunks> attention(p, static_cast<const QT*>(q), static_cast<const KT*>(k),
                               static_cast<const KT*>(v), o);
-  auto queue = std::make_shared<WorkQueue>();
-  queue->num_items = int64_t(items->size());
-  queue->run = [items, attention](int64_t i, Scratch& scratch) {
+  jaxrunner_cpu::RunItems<Scratch>(pool, int64_t(items->size()), [items, attention](int64_t i, Scratch& scratch) {
     attention.Run((*items)[i], scratch);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), queue->num_items - 1);
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([queue] { queue->Drain(); });
-  queue->Drain();
-  std::unique_lock<std::mutex> lock(queue->mu);
-  queue->all_done.wait(lock, [&] { return queue->done.load() >= queue->num_items; });
+  });
 }
 
 template <typename QT, typename KT>

@@ -1,0 +1,209 @@
+// bfloat16 matmul with few rows for XLA:CPU, as an XLA FFI custom call: y [M, N] float32 =
+// x [M, K] bf16 . W, for 1 <= M <= 4, with W either [K, N] (a projection) or [N, K] (the tied
+// embedding used as the LM head).
+//
+// Why: a batch-1 bf16 decode reads every weight once per token, so it is bound by memory bandwidth
+// (269 MB for SmolLM2: ~13 ms at 20 GB/s). XLA:CPU's 16-bit dots with 1-4 rows ran far below that
+// (a one-row dot is a GEMV 9x slower than four rows; padded to four rows, a batch-1 bf16 token
+// still took as long as a float32 one, which reads twice the bytes). Here each weight is read once,
+// straight into float32 FMAs (or AVX512-BF16 dot products for [N, K]), on all threads.
+//
+// Products of two bf16 values are exact in float32 and sums are float32, as in XLA's
+// bf16 x bf16 -> f32 dot; only the order of the additions differs.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "work_queue.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 4;
+constexpr int64_t kRowsPerItem = 256;     // [N, K]: outputs of one work item
+
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+typedef uint16_t H16 __attribute__((vector_size(32)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+
+inline F16 LoadBf16(const uint16_t* p) {  // bfloat16 -> float32: the bits move up 16 places
+  H16 h;
+  std::memcpy(&h, p, sizeof h);
+  U16 u = __builtin_convertvector(h, U16) << 16;
+  F16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+inline float Bf16ToF32(uint16_t bits) {
+  uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float Sum(F16 v) {
+  F8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  F4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+inline void PrefetchLine(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+struct Problem {
+  int64_t rows, k, n;
+  const float* x;     // [rows, k] the activations, converted to float32 once per call
+  const uint16_t* x16;  // [rows, k] the activations as given (bf16)
+  const uint16_t* w;
+  float* y;           // [rows, n]; [splits, rows, n] partial sums for [K, N] weights
+  int64_t splits;     // [K, N] weights: work items, each a block of K rows
+};
+
+// ---- W [K, N]: item s owns rows [k0, k1) of W -- one contiguous block of memory, which the
+// hardware prefetcher streams -- and writes its partial sums to y[s] (the caller adds the
+// partials; XLA fuses that sum into what follows). Four weight rows at a time: each
+// float32 accumulator (in L1/L2) takes four FMAs per load and store.
+
+template <int M>
+void RowsKN(const Problem& p, int64_t k0, int64_t k1, float* y) {
+  std::fill(y, y + M * p.n, 0.0f);
+  const int64_t chunks = p.n / kLanes;
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const uint16_t* r = p.w + k * p.n;
+    F16 xv[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) xv[m][j] = F16{} + p.x[m * p.k + k + j];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const F16 w0 = LoadBf16(r + c * kLanes), w1 = LoadBf16(r + p.n + c * kLanes);
+      const F16 w2 = LoadBf16(r + 2 * p.n + c * kLanes), w3 = LoadBf16(r + 3 * p.n + c * kLanes);
+      for (int m = 0; m < M; ++m) {
+        F16 a;
+        std::memcpy(&a, y + m * p.n + c * kLanes, sizeof a);
+        a += xv[m][0] * w0 + xv[m][1] * w1 + xv[m][2] * w2 + xv[m][3] * w3;
+        std::memcpy(y + m * p.n + c * kLanes, &a, sizeof a);
+      }
+    }
+  }
+  for (; k < k1; ++k)  // the last rows when the block is not a multiple of 4
+    for (int64_t c = 0; c < chunks; ++c) {
+      const F16 wv = LoadBf16(p.w + k * p.n + c * kLanes);
+      for (int m = 0; m < M; ++m) {
+        F16 a;
+        std::memcpy(&a, y + m * p.n + c * kLanes, sizeof a);
+        a += (F16{} + p.x[m * p.k + k]) * wv;
+        std::memcpy(y + m * p.n + c * kLanes, &a, sizeof a);
+      }
+    }
+}
+
+template <int M>
+void ItemKN(const Problem& p, int64_t item) {
+  const int64_t k0 = p.k * item / p.splits, k1 = p.k * (item + 1) / p.splits;
+  RowsKN<M>(p, k0, k1, p.y + item * M * p.n);
+}
+
+// ---- W [N, K]: output n is the dot product of x's rows with W's row n, both contiguous in K.
+// Four outputs at a time share each x load; pairs of K elements go through one AVX512-BF16
+// dot-product instruction where the CPU has it.
+
+inline F16 Dot32(F16 acc, const uint16_t* a, const uint16_t* b) {  // acc += a[0:32] . b[0:32], paired
+#if defined(__AVX512BF16__)
+  __m512bh av, bv;
+  std::memcpy(&av, a, sizeof av);
+  std::memcpy(&bv, b, sizeof bv);
+  __m512 r = _mm512_dpbf16_ps(reinterpret_cast<__m512&>(acc), av, bv);
+  return reinterpret_cast<F16&>(r);
+#else
+  return acc + LoadBf16(a) * LoadBf16(b) + LoadBf16(a + kLanes) * LoadBf16(b + kLanes);
+#endif
+}
+
+template <int M>
+void OutputsNK(const Problem& p, int64_t n0, int64_t count) {  // count <= 4 outputs
+  F16 acc[M][4] = {};
+  const uint16_t* rows[4];
+  for (int j = 0; j < 4; ++j) rows[j] = p.w + (n0 + std::min<int64_t>(j, count - 1)) * p.k;
+  for (int64_t k = 0; k < p.k; k += 2 * kLanes)
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = Dot32(acc[m][j], p.x16 + m * p.k + k, rows[j] + k);
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < count; ++j) p.y[m * p.n + n0 + j] = Sum(acc[m][j]);
+}
+
+template <int M>
+void ItemNK(const Problem& p, int64_t item) {
+  const int64_t n0 = item * kRowsPerItem, n1 = std::min(p.n, n0 + kRowsPerItem);
+  for (int64_t n = n0; n < n1; n += 4) OutputsNK<M>(p, n, std::min<int64_t>(4, n1 - n));
+}
+
+struct NoScratch {};
+
+template <int M>
+void Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
+  const int64_t items = transposed ? (p.n + kRowsPerItem - 1) / kRowsPerItem : p.splits;
+  jaxrunner_cpu::RunItems<NoScratch>(pool, items, [p, transposed](int64_t i, NoScratch&) {
+    if (transposed) ItemNK<M>(p, i);
+    else ItemKN<M>(p, i);
+  });
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t transposed) {
+  using ffi::DataType;
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (x.element_type() != DataType::BF16 || w.element_type() != DataType::BF16 ||
+      y->element_type() != DataType::F32)
+    return ffi::Error::InvalidArgument("small matmul: x and w must be bfloat16, y float32");
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != (transposed ? 2 : 3))
+    return ffi::Error::InvalidArgument("small matmul: x and w must be matrices, y [M, N] or [splits, M, N]");
+  const int64_t rows = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
+  const int64_t splits = transposed ? 1 : yd[0];
+  if ((transposed ? wd[1] : wd[0]) != k || yd[yd.size() - 2] != rows || yd[yd.size() - 1] != n ||
+      splits < 1 || splits > k)
+    return ffi::Error::InvalidArgument("small matmul: shapes do not match");
+  if (rows < 1 || rows > kMaxRows)
+    return ffi::Error::InvalidArgument("small matmul: x must have 1 to 4 rows");
+  if (transposed ? k % (2 * kLanes) != 0 : n % kLanes != 0)
+    return ffi::Error::InvalidArgument("small matmul: K must be a multiple of 32 ([N, K] weights), "
+                                       "N a multiple of 16 ([K, N] weights)");
+  const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
+  std::vector<float> x32(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) x32[i] = Bf16ToF32(x16[i]);
+  const Problem p{rows, k, n, x32.data(), x16, static_cast<const uint16_t*>(w.untyped_data()),
+                  static_cast<float*>(y->untyped_data()), splits};
+  switch (rows) {
+    case 1: Run<1>(pool, p, transposed); break;
+    case 2: Run<2>(pool, p, transposed); break;
+    case 3: Run<3>(pool, p, transposed); break;
+    default: Run<4>(pool, p, transposed); break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuSmallMatmul, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K] bf16
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32; [splits, M, N] for [K, N] w
+                                  .Attr<int64_t>("transposed"));

@@ -1,0 +1,95 @@
+"""The native few-row bf16 matmul (``kernels/cpu/small_matmul.cc``) against a float64 oracle, and
+where the model routes a product to it.
+
+Products of two bf16 values are exact in float32, so the only error is float32 summation: the
+tolerance is a few float32 ulps of the sum of |products|, far below one bf16 ulp of the result.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner.kernels import native
+from jaxrunner.models import quant
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
+
+
+def _bf16(rng, shape, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def _check(x, w, transposed):
+    got = np.asarray(jax.jit(lambda x, w: native.small_matmul_native(x, w, transposed=transposed))(x, w))
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    w64 = w64.T if transposed else w64
+    want = x64 @ w64
+    bound = 4 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64)) + 1e-30
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 16), (7, 48), (130, 80)])
+def test_weights_k_by_n(rows, k, n):
+    """[K, N] weights, including K below the split count and K not a multiple of four."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    _check(_bf16(rng, (rows, k)), _bf16(rng, (k, n), 0.05), transposed=False)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(4096, 576), (1023, 64), (3, 32)])
+def test_weights_n_by_k(rows, n, k):
+    """[N, K] weights (the tied embedding as LM head), including N not a multiple of four."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    _check(_bf16(rng, (rows, k)), _bf16(rng, (n, k), 0.05), transposed=True)
+
+
+def test_each_output_sees_only_its_own_weights():
+    """A NaN in one weight column (row, for [N, K]) poisons exactly that output."""
+    rng = np.random.default_rng(0)
+    x = _bf16(rng, (2, 64))
+    w = np.asarray(_bf16(rng, (64, 48)), np.float32)
+    w[:, 17] = np.nan
+    got = np.asarray(native.small_matmul_native(x, jnp.asarray(w, jnp.bfloat16)))
+    assert np.isnan(got[:, 17]).all() and np.isfinite(np.delete(got, 17, axis=1)).all()
+    got_t = np.asarray(native.small_matmul_native(x, jnp.asarray(w.T, jnp.bfloat16), transposed=True))
+    assert np.isnan(got_t[:, 17]).all() and np.isfinite(np.delete(got_t, 17, axis=1)).all()
+
+
+@pytest.mark.parametrize("x_shape, w_shape, transposed, dtype", [
+    ((5, 64), (64, 16), False, jnp.bfloat16),     # too many rows
+    ((1, 64), (64, 24), False, jnp.bfloat16),     # N not a multiple of 16
+    ((1, 48), (16, 48), True, jnp.bfloat16),      # K not a multiple of 32
+    ((1, 64), (32, 16), False, jnp.bfloat16),     # K mismatch
+    ((1, 64), (64, 16), False, jnp.float32),      # not bf16
+])
+def test_unsupported_inputs_say_why(x_shape, w_shape, transposed, dtype):
+    x, w = jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, dtype)
+    assert not native.small_matmul_supported(x, w, transposed)
+    with pytest.raises(ValueError, match="native small matmul takes bf16"):
+        native.small_matmul_native(x, w, transposed=transposed)
+
+
+def _native_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(native.MATMUL_TARGET_NAME)
+
+
+def test_model_routes_one_row_bf16_products_only():
+    """The model's matmuls use the kernel for one bf16 row on one CPU device (a batch-1 decode, the
+    LM head of one sequence); float32 and multi-row products stay with XLA."""
+    rng = np.random.default_rng(1)
+    w, embed = _bf16(rng, (64, 96)), _bf16(rng, (256, 64))
+    one, four = _bf16(rng, (1, 64)), _bf16(rng, (4, 64))
+    assert _native_calls(quant.matmul_f32_acc, one, w) == 1
+    assert _native_calls(lambda x, e: quant.matmul_f32_acc(x, e, contract=(-1, 1)), one, embed) == 1
+    assert _native_calls(quant.matmul_f32_acc, four, w) == 0
+    assert _native_calls(quant.matmul_f32_acc, one.astype(jnp.float32), w.astype(jnp.float32)) == 0
+    for x, weights, contract in ((one, w, (-1, 0)), (one, embed, (-1, 1))):
+        got = quant.matmul_f32_acc(x, weights, contract=contract)
+        want = jax.lax.dot_general(x.astype(jnp.float32), weights.astype(jnp.float32),
+                                   (((1,), (contract[1] % 2,)), ((), ())), precision="highest")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
