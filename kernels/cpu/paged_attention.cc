@@ -32,6 +32,7 @@
 #include <memory>
 #include <vector>
 
+#include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,76 +40,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxrunner_cpu;
+
 constexpr int64_t kQueryVectors = 64;  // query rows x heads per work item, at most
 constexpr int64_t kValueTileBytes = 16 << 10;  // V rows per P @ V tile: about 16 KB, half an L1
-constexpr int kLanes = 16;      // floats per vector (one AVX-512 register; narrower ISAs split it)
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxChunks = kMaxHeadDim / kLanes;
 constexpr int64_t kPrefetchRows = 8;  // K/V rows ahead of the one being read
 
-// A software prefetch the compiler keeps: GCC 12 at -O3 deleted every __builtin_prefetch of the
-// earlier page-ahead prefetch (it judged the helper pure and its result unused).
-inline void PrefetchLine(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
-// GCC/Clang vector extensions: portable, and -march=native turns them into AVX-512 here.
-typedef float F16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-typedef uint32_t U16 __attribute__((vector_size(64)));
-typedef uint16_t H16 __attribute__((vector_size(32)));
-
-inline F16 Load(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline F16 Load(const uint16_t* p) {  // bfloat16 -> float32: the bits move up 16 places
-  H16 h;
-  std::memcpy(&h, p, sizeof h);
-  U16 u = __builtin_convertvector(h, U16) << 16;
-  F16 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline F16 Splat(float x) { return F16{} + x; }
-
-typedef float F8 __attribute__((vector_size(32)));
-typedef float F4 __attribute__((vector_size(16)));
-
-inline float Sum(F16 v) {  // halving tree: 4 shuffle + add steps
-  F8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  F4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-// The four sums {sum(a), sum(b), sum(c), sum(d)} with one shuffle-and-add tree.
-inline F4 Sum4(F16 a, F16 b, F16 c, F16 d) {
-  const F16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const F16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  // ab = [a 8 | b 8], cd = [c 8 | d 8] -> [a 4 | b 4 | c 4 | d 4]
-  const F16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  // -> [a 2 | b 2 | c 2 | d 2], then pairs
-  const F8 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13) +
-               __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(y, y, 0, 2, 4, 6) + __builtin_shufflevector(y, y, 1, 3, 5, 7);
-}
-
-inline float ToF32(float x) { return x; }
-inline float ToF32(uint16_t bf16_bits) {
-  uint32_t u = uint32_t(bf16_bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 inline void FromF32(float x, float* out) { *out = x; }
 inline void FromF32(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
   uint32_t u;

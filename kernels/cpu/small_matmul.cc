@@ -3,18 +3,21 @@
 // embedding used as the LM head).
 //
 // Why: a batch-1 bf16 decode reads every weight once per token, so it is bound by memory bandwidth
-// (269 MB for SmolLM2: ~13 ms at 20 GB/s). XLA:CPU's 16-bit dots with 1-4 rows ran far below that
-// (a one-row dot is a GEMV 9x slower than four rows; padded to four rows, a batch-1 bf16 token
-// still took as long as a float32 one, which reads twice the bytes). Here each weight is read once,
-// straight into float32 FMAs (or AVX512-BF16 dot products for [N, K]), on all threads.
+// (269 MB for SmolLM2: ~13 ms at 20 GB/s). XLA:CPU's one-row bf16 dot is a GEMV 9x slower than
+// four rows, and padded to four rows it still read weights at ~9 GB/s: a bf16 token cost as much
+// as a float32 one, which reads twice the bytes. Here each weight is read once, in contiguous
+// blocks, on all threads. Measured (2-core EPYC, 30 distinct weights per run, min of 20): one row
+// x [576, 3072] 398 -> 220 us per call, tied LM head [1, 576] x [49152, 576]^T 4.1 -> 2.7 ms. With
+// four rows this kernel was no faster than XLA, so the model routes only one-row products here
+// (jaxrunner/models/quant.py).
 //
 // Products of two bf16 values are exact in float32 and sums are float32, as in XLA's
 // bf16 x bf16 -> f32 dot; only the order of the additions differs.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,54 +29,18 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
+using namespace jaxrunner_cpu;
+
 constexpr int kMaxRows = 4;
 constexpr int64_t kRowsPerItem = 256;     // [N, K]: outputs of one work item
 
-typedef float F16 __attribute__((vector_size(64)));
-typedef float F8 __attribute__((vector_size(32)));
-typedef float F4 __attribute__((vector_size(16)));
-typedef uint16_t H16 __attribute__((vector_size(32)));
-typedef uint32_t U16 __attribute__((vector_size(64)));
-
-inline F16 LoadBf16(const uint16_t* p) {  // bfloat16 -> float32: the bits move up 16 places
-  H16 h;
-  std::memcpy(&h, p, sizeof h);
-  U16 u = __builtin_convertvector(h, U16) << 16;
-  F16 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t u = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float Sum(F16 v) {
-  F8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  F4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-inline void PrefetchLine(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
 struct Problem {
   int64_t rows, k, n;
-  const float* x;     // [rows, k] the activations, converted to float32 once per call
+  const float* x;       // [rows, k] the activations, converted to float32 once per call
   const uint16_t* x16;  // [rows, k] the activations as given (bf16)
-  const uint16_t* w;
-  float* y;           // [rows, n]; [splits, rows, n] partial sums for [K, N] weights
-  int64_t splits;     // [K, N] weights: work items, each a block of K rows
+  const uint16_t* w;    // [k, n] or [n, k]
+  float* y;             // [rows, n]; [splits, rows, n] partial sums for [K, N] weights
+  int64_t splits;       // [K, N] weights: work items, each a block of K rows
 };
 
 // ---- W [K, N]: item s owns rows [k0, k1) of W -- one contiguous block of memory, which the
@@ -90,10 +57,10 @@ void RowsKN(const Problem& p, int64_t k0, int64_t k1, float* y) {
     const uint16_t* r = p.w + k * p.n;
     F16 xv[M][4];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) xv[m][j] = F16{} + p.x[m * p.k + k + j];
+      for (int j = 0; j < 4; ++j) xv[m][j] = Splat(p.x[m * p.k + k + j]);
     for (int64_t c = 0; c < chunks; ++c) {
-      const F16 w0 = LoadBf16(r + c * kLanes), w1 = LoadBf16(r + p.n + c * kLanes);
-      const F16 w2 = LoadBf16(r + 2 * p.n + c * kLanes), w3 = LoadBf16(r + 3 * p.n + c * kLanes);
+      const F16 w0 = Load(r + c * kLanes), w1 = Load(r + p.n + c * kLanes);
+      const F16 w2 = Load(r + 2 * p.n + c * kLanes), w3 = Load(r + 3 * p.n + c * kLanes);
       for (int m = 0; m < M; ++m) {
         F16 a;
         std::memcpy(&a, y + m * p.n + c * kLanes, sizeof a);
@@ -104,11 +71,11 @@ void RowsKN(const Problem& p, int64_t k0, int64_t k1, float* y) {
   }
   for (; k < k1; ++k)  // the last rows when the block is not a multiple of 4
     for (int64_t c = 0; c < chunks; ++c) {
-      const F16 wv = LoadBf16(p.w + k * p.n + c * kLanes);
+      const F16 wv = Load(p.w + k * p.n + c * kLanes);
       for (int m = 0; m < M; ++m) {
         F16 a;
         std::memcpy(&a, y + m * p.n + c * kLanes, sizeof a);
-        a += (F16{} + p.x[m * p.k + k]) * wv;
+        a += Splat(p.x[m * p.k + k]) * wv;
         std::memcpy(y + m * p.n + c * kLanes, &a, sizeof a);
       }
     }
@@ -132,7 +99,7 @@ inline F16 Dot32(F16 acc, const uint16_t* a, const uint16_t* b) {  // acc += a[0
   __m512 r = _mm512_dpbf16_ps(reinterpret_cast<__m512&>(acc), av, bv);
   return reinterpret_cast<F16&>(r);
 #else
-  return acc + LoadBf16(a) * LoadBf16(b) + LoadBf16(a + kLanes) * LoadBf16(b + kLanes);
+  return acc + Load(a) * Load(b) + Load(a + kLanes) * Load(b + kLanes);
 #endif
 }
 
@@ -186,7 +153,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                        "N a multiple of 16 ([K, N] weights)");
   const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
   std::vector<float> x32(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) x32[i] = Bf16ToF32(x16[i]);
+  for (int64_t i = 0; i < rows * k; ++i) x32[i] = ToF32(x16[i]);
   const Problem p{rows, k, n, x32.data(), x16, static_cast<const uint16_t*>(w.untyped_data()),
                   static_cast<float*>(y->untyped_data()), splits};
   switch (rows) {
