@@ -32,9 +32,9 @@ namespace {
 using namespace jaxrunner_cpu;
 
 constexpr int kMaxRows = 4;
-constexpr int64_t kRowsPerItem = 256;     // [N, K]: outputs of one work item
-// [K, N]: weight rows prefetched ahead. The hardware prefetcher alone left narrow weights slow:
-// [1, 576] x [576, 576] 55 -> 25-37 us per call with it, [576, 960] 85-93 -> 64-70 us.
+constexpr int64_t kRowsPerItem = 256;  // [N, K]: outputs of one work item
+// [K, N]: weight rows prefetched ahead. The hardware prefetcher alone left narrow weights slow
+// (min per call, three rounds): [1, 576] x [576, 576] 50-62 -> 33-40 us, x [576, 960] 86-103 -> 67-70.
 constexpr int64_t kPrefetchRows = 16;
 
 struct Problem {
