@@ -47,6 +47,22 @@ def test_bfloat16_logits_close_to_transformers(tiny_checkpoints, family):
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 3e-2
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_one_token_logits_close_to_transformers(tiny_checkpoints, family, monkeypatch):
+    """One token makes every projection one row, which on one CPU device the native bf16 matmul
+    computes (where it was built): a decode step's path, against transformers in bfloat16."""
+    from jaxrunner.kernels import native
+
+    calls = []
+    kernel = native.small_matmul_native
+    monkeypatch.setattr(native, "small_matmul_native", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    ids = np.array([123])
+    ref = hf_logits(tiny_checkpoints[family], ids, torch.bfloat16)
+    ours = our_logits(tiny_checkpoints[family], ids, "bfloat16")
+    assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 3e-2
+    assert bool(calls) == native.available()
+
+
 def test_tied_embeddings(tmp_path):
     path = build_tiny_checkpoint(tmp_path / "tied", "llama", seed=3, tied=True)
     ids = np.random.default_rng(5).integers(0, 512, 32)
