@@ -35,7 +35,11 @@ WRITE_SYMBOL = "JaxrunnerCpuWriteKv"
 MATMUL_TARGET_NAME = "jaxrunner_cpu_small_matmul"
 MATMUL_SYMBOL = "JaxrunnerCpuSmallMatmul"
 MATMUL_MAX_ROWS = 4
-MATMUL_K_SPLITS = 4  # [K, N] weights: work items, each a contiguous block of K rows (partial sums)
+# [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
+# for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
+# 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
+# of one layer are small (0.7-3.5 MB).
+MATMUL_K_SPLITS = 2
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
