@@ -1,4 +1,4 @@
-"""The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row bf16
+"""The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row
 matmul): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
@@ -172,21 +172,22 @@ def write_kv_pages_native(k_pages, v_pages, k_new, v_new, slot_mapping):
 
 
 def small_matmul_supported(x, w, transposed: bool) -> bool:
-    """Shapes and dtypes :func:`small_matmul_native` takes: bf16 ``x`` [1..4, K] and ``w``, with N
-    a multiple of 16 for ``w`` [K, N], or K a multiple of 32 for ``w`` [N, K]."""
-    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+    """Shapes and dtypes :func:`small_matmul_native` takes: ``x`` [1..4, K] and ``w`` both bf16 or
+    both float32, with N a multiple of 16 for ``w`` [K, N], or K a whole number of 64-byte
+    vectors (32 bf16 or 16 float32) for ``w`` [N, K]."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
         return False
     k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
-    fits = k % 32 == 0 if transposed else n % 16 == 0
+    fits = k % (64 // x.dtype.itemsize) == 0 if transposed else n % 16 == 0
     return 1 <= x.shape[0] <= MATMUL_MAX_ROWS and x.shape[1] == k and fits
 
 
 def small_matmul_native(x, w, *, transposed: bool = False):
-    """``x @ w`` (``x @ w.T`` when ``transposed``) with a float32 result, for bf16 operands and
-    1 to 4 rows: each weight is read once, on all threads (see ``cpu/small_matmul.cc``)."""
+    """``x @ w`` (``x @ w.T`` when ``transposed``) with a float32 result, for bf16 or float32
+    operands and 1 to 4 rows: each weight is read once, on all threads (see ``cpu/small_matmul.cc``)."""
     _require()
     if not small_matmul_supported(x, w, transposed):
-        raise ValueError(f"the native small matmul takes bf16 x [1..{MATMUL_MAX_ROWS}, K] and w; got "
+        raise ValueError(f"the native small matmul takes x [1..{MATMUL_MAX_ROWS}, K] and w, both bf16 or both float32; got "
                          f"x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, transposed={transposed}")
     rows = x.shape[0]
     if transposed:

@@ -1,8 +1,9 @@
-"""The native few-row bf16 matmul (``kernels/cpu/small_matmul.cc``) against a float64 oracle, and
-where the model routes a product to it.
+"""The native few-row matmul (``kernels/cpu/small_matmul.cc``, bf16 or float32 operands) against
+a float64 oracle, and where the model routes a product to it.
 
-Products of two bf16 values are exact in float32, so the only error is float32 summation: the
-tolerance is a few float32 ulps of the sum of |products|, far below one bf16 ulp of the result.
+Products of two bf16 values are exact in float32, so the only error is float32 summation (and one
+rounding per float32 product): the tolerance is a few float32 ulps of the sum of |products|, far
+below one bf16 ulp of the result.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from jaxrunner.models import quant
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
 
-def _bf16(rng, shape, scale=1.0):
-    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+def _bf16(rng, shape, scale=1.0, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
 
 def _check(x, w, transposed):
@@ -32,20 +33,25 @@ def _check(x, w, transposed):
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
 
 
+DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+
+
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 16), (7, 48), (130, 80)])
-def test_weights_k_by_n(rows, k, n):
+def test_weights_k_by_n(rows, k, n, dtype):
     """[K, N] weights, including K below the split count and K not a multiple of four."""
     rng = np.random.default_rng(rows * 1000 + k + n)
-    _check(_bf16(rng, (rows, k)), _bf16(rng, (k, n), 0.05), transposed=False)
+    _check(_bf16(rng, (rows, k), dtype=dtype), _bf16(rng, (k, n), 0.05, dtype), transposed=False)
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n, k", [(4096, 576), (1023, 64), (3, 32)])
-def test_weights_n_by_k(rows, n, k):
+def test_weights_n_by_k(rows, n, k, dtype):
     """[N, K] weights (the tied embedding as LM head), including N not a multiple of four."""
     rng = np.random.default_rng(rows * 1000 + k + n)
-    _check(_bf16(rng, (rows, k)), _bf16(rng, (n, k), 0.05), transposed=True)
+    _check(_bf16(rng, (rows, k), dtype=dtype), _bf16(rng, (n, k), 0.05, dtype), transposed=True)
 
 
 def test_each_output_sees_only_its_own_weights():
@@ -60,17 +66,19 @@ def test_each_output_sees_only_its_own_weights():
     assert np.isnan(got_t[:, 17]).all() and np.isfinite(np.delete(got_t, 17, axis=1)).all()
 
 
-@pytest.mark.parametrize("x_shape, w_shape, transposed, dtype", [
-    ((5, 64), (64, 16), False, jnp.bfloat16),     # too many rows
-    ((1, 64), (64, 24), False, jnp.bfloat16),     # N not a multiple of 16
-    ((1, 48), (16, 48), True, jnp.bfloat16),      # K not a multiple of 32
-    ((1, 64), (32, 16), False, jnp.bfloat16),     # K mismatch
-    ((1, 64), (64, 16), False, jnp.float32),      # not bf16
+@pytest.mark.parametrize("x_shape, w_shape, transposed, dtype, w_dtype", [
+    ((5, 64), (64, 16), False, jnp.bfloat16, jnp.bfloat16),  # too many rows
+    ((1, 64), (64, 24), False, jnp.bfloat16, jnp.bfloat16),  # N not a multiple of 16
+    ((1, 48), (16, 48), True, jnp.bfloat16, jnp.bfloat16),   # K not a multiple of 32 (bf16)
+    ((1, 40), (16, 40), True, jnp.float32, jnp.float32),     # K not a multiple of 16 (float32)
+    ((1, 64), (32, 16), False, jnp.bfloat16, jnp.bfloat16),  # K mismatch
+    ((1, 64), (64, 16), False, jnp.float32, jnp.bfloat16),   # mixed dtypes
+    ((1, 64), (64, 16), False, jnp.float16, jnp.float16),    # neither bf16 nor float32
 ])
-def test_unsupported_inputs_say_why(x_shape, w_shape, transposed, dtype):
-    x, w = jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, dtype)
+def test_unsupported_inputs_say_why(x_shape, w_shape, transposed, dtype, w_dtype):
+    x, w = jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, w_dtype)
     assert not native.small_matmul_supported(x, w, transposed)
-    with pytest.raises(ValueError, match="native small matmul takes bf16"):
+    with pytest.raises(ValueError, match="native small matmul takes x"):
         native.small_matmul_native(x, w, transposed=transposed)
 
 
@@ -78,17 +86,19 @@ def _native_calls(fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count(native.MATMUL_TARGET_NAME)
 
 
-def test_model_routes_one_row_bf16_products_only():
-    """The model's matmuls use the kernel for one bf16 row on one CPU device (a batch-1 decode, the
-    LM head of one sequence); float32 and multi-row products stay with XLA."""
+def test_model_routes_one_row_products_only():
+    """The model's matmuls use the kernel for one row on one CPU device (a batch-1 decode, the LM
+    head of one sequence), bf16 or float32; multi-row and mixed-dtype products stay with XLA."""
     rng = np.random.default_rng(1)
     w, embed = _bf16(rng, (64, 96)), _bf16(rng, (256, 64))
     one, four = _bf16(rng, (1, 64)), _bf16(rng, (4, 64))
     assert _native_calls(quant.matmul_f32_acc, one, w) == 1
     assert _native_calls(lambda x, e: quant.matmul_f32_acc(x, e, contract=(-1, 1)), one, embed) == 1
     assert _native_calls(quant.matmul_f32_acc, four, w) == 0
-    assert _native_calls(quant.matmul_f32_acc, one.astype(jnp.float32), w.astype(jnp.float32)) == 0
-    for x, weights, contract in ((one, w, (-1, 0)), (one, embed, (-1, 1))):
+    assert _native_calls(quant.matmul_f32_acc, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
+    assert _native_calls(quant.linear_f32, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
+    assert _native_calls(quant.linear_f32, one.astype(jnp.float32), w) == 0
+    for x, weights, contract in ((one, w, (-1, 0)), (one, embed, (-1, 1)), (one.astype(jnp.float32), w.astype(jnp.float32), (-1, 0))):
         got = quant.matmul_f32_acc(x, weights, contract=contract)
         want = jax.lax.dot_general(x.astype(jnp.float32), weights.astype(jnp.float32),
                                    (((1,), (contract[1] % 2,)), ((), ())), precision="highest")

@@ -1,19 +1,22 @@
-// bfloat16 matmul with few rows for XLA:CPU, as an XLA FFI custom call: y [M, N] float32 =
-// x [M, K] bf16 . W, for 1 <= M <= 4, with W either [K, N] (a projection) or [N, K] (the tied
-// embedding used as the LM head).
+// Matmul with few rows for XLA:CPU, as an XLA FFI custom call: y [M, N] float32 = x [M, K] . W,
+// for 1 <= M <= 4, x and W both bfloat16 or both float32, with W either [K, N] (a projection) or
+// [N, K] (the tied embedding used as the LM head).
 //
-// Why: a batch-1 bf16 decode reads every weight once per token, so it is bound by memory bandwidth
-// (269 MB for SmolLM2: ~13 ms at 20 GB/s). XLA:CPU's one-row bf16 dot is a GEMV 9x slower than
+// Why: a batch-1 decode reads every weight once per token, so it is bound by memory bandwidth
+// (SmolLM2: 269 MB in bf16, 538 MB in float32). XLA:CPU's one-row bf16 dot is a GEMV 9x slower than
 // four rows, and padded to four rows it still read weights at ~9 GB/s: a bf16 token cost as much
-// as a float32 one, which reads twice the bytes. Here each weight is read once, in contiguous
-// blocks, on all threads. Measured (2-core EPYC, 30 distinct weights per run, min of 20): one row
-// x [576, 3072] 398 -> 220 us per call, tied LM head [1, 576] x [49152, 576]^T 4.1 -> 2.7 ms
-// (2.2-2.5 ms once its rows were prefetched into L2: four 57 MB tables, 3.3-5.1 ms before). With
-// four rows this kernel was no faster than XLA, so the model routes only one-row products here
+// as a float32 one, which reads twice the bytes. Its float32 GEMV reads ~34 GB/s on the largest
+// projection but less on the narrow ones (16-26 GB/s), ~19 GB/s over a whole float32 token. Here
+// each weight is read once, in contiguous blocks, on all threads, with software prefetch into L2.
+// Measured (2-core EPYC, 30 distinct weights per run, min of 20): bf16 one row x [576, 3072]
+// 398 -> 220 us per call, tied LM head [1, 576] x [49152, 576]^T 4.1 -> 2.7 ms (2.2-2.5 ms once
+// its rows were prefetched into L2: four 57 MB tables, 3.3-5.1 ms before); float32 [576, 576]
+// 84 -> 61 us, [1536, 576] 137 -> 105, [576, 3072] 209 -> 212, LM head 5.0 -> 4.2 ms. With four
+// rows this kernel was no faster than XLA, so the model routes only one-row products here
 // (jaxrunner/models/quant.py).
 //
 // Products of two bf16 values are exact in float32 and sums are float32, as in XLA's
-// bf16 x bf16 -> f32 dot; only the order of the additions differs.
+// bf16 x bf16 -> f32 dot; only the order of the additions differs (float32 likewise).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -41,9 +44,9 @@ constexpr int64_t kNkPrefetchBytes = 16 << 10;  // [N, K]: bytes ahead of the ro
 
 struct Problem {
   int64_t rows, k, n;
-  const float* x;       // [rows, k] the activations, converted to float32 once per call
-  const uint16_t* x16;  // [rows, k] the activations as given (bf16)
-  const uint16_t* w;    // [k, n] or [n, k]
+  const float* x;       // [rows, k] the activations in float32 (converted once per call if bf16)
+  const void* x_given;  // [rows, k] the activations as given (the weights' dtype)
+  const void* w;        // [k, n] or [n, k], WT: uint16_t (bf16 bits) or float
   float* y;             // [rows, n]; [splits, rows, n] partial sums for [K, N] weights
   int64_t splits;       // [K, N] weights: work items, each a block of K rows
 };
@@ -54,20 +57,22 @@ struct Problem {
 // float32 accumulator (in L1/L2) takes four FMAs per load and store; rows kPrefetchRows ahead are
 // prefetched.
 
-template <int M>
+template <int M, typename WT>
 void RowsKN(const Problem& p, int64_t k0, int64_t k1, float* y) {
+  const WT* w = static_cast<const WT*>(p.w);
+  constexpr int64_t kChunksPerLine = 64 / (kLanes * sizeof(WT));  // 2 for bf16, 1 for float32
   std::fill(y, y + M * p.n, 0.0f);
   const int64_t chunks = p.n / kLanes;
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const uint16_t* r = p.w + k * p.n;
+    const WT* r = w + k * p.n;
     F16 xv[M][4];
     for (int m = 0; m < M; ++m)
       for (int j = 0; j < 4; ++j) xv[m][j] = Splat(p.x[m * p.k + k + j]);
     const bool prefetch = k + 4 + kPrefetchRows <= k1;
     for (int64_t c = 0; c < chunks; ++c) {
-      if (prefetch && c % 2 == 0) {  // one line per row for every two 32-byte chunks
-        const uint16_t* ahead = r + kPrefetchRows * p.n + c * kLanes;
+      if (prefetch && c % kChunksPerLine == 0) {  // one line per row per 64 bytes read
+        const WT* ahead = r + kPrefetchRows * p.n + c * kLanes;
         for (int j = 0; j < 4; ++j) PrefetchLine(reinterpret_cast<const char*>(ahead + j * p.n));
       }
       const F16 w0 = Load(r + c * kLanes), w1 = Load(r + p.n + c * kLanes);
@@ -82,7 +87,7 @@ void RowsKN(const Problem& p, int64_t k0, int64_t k1, float* y) {
   }
   for (; k < k1; ++k)  // the last rows when the block is not a multiple of 4
     for (int64_t c = 0; c < chunks; ++c) {
-      const F16 wv = Load(p.w + k * p.n + c * kLanes);
+      const F16 wv = Load(w + k * p.n + c * kLanes);
       for (int m = 0; m < M; ++m) {
         F16 a;
         std::memcpy(&a, y + m * p.n + c * kLanes, sizeof a);
@@ -92,17 +97,19 @@ void RowsKN(const Problem& p, int64_t k0, int64_t k1, float* y) {
     }
 }
 
-template <int M>
+template <int M, typename WT>
 void ItemKN(const Problem& p, int64_t item) {
   const int64_t k0 = p.k * item / p.splits, k1 = p.k * (item + 1) / p.splits;
-  RowsKN<M>(p, k0, k1, p.y + item * M * p.n);
+  RowsKN<M, WT>(p, k0, k1, p.y + item * M * p.n);
 }
 
 // ---- W [N, K]: output n is the dot product of x's rows with W's row n, both contiguous in K.
-// Four outputs at a time share each x load; pairs of K elements go through one AVX512-BF16
-// dot-product instruction where the CPU has it.
+// Four outputs at a time share each x load, 64 bytes of each row per step; bf16 pairs of K
+// elements go through one AVX512-BF16 dot-product instruction where the CPU has it.
 
-inline F16 Dot32(F16 acc, const uint16_t* a, const uint16_t* b) {  // acc += a[0:32] . b[0:32], paired
+inline F16 Dot64Bytes(F16 acc, const float* a, const float* b) { return acc + Load(a) * Load(b); }
+
+inline F16 Dot64Bytes(F16 acc, const uint16_t* a, const uint16_t* b) {  // a[0:32] . b[0:32], paired
 #if defined(__AVX512BF16__)
   __m512bh av, bv;
   std::memcpy(&av, a, sizeof av);
@@ -114,49 +121,63 @@ inline F16 Dot32(F16 acc, const uint16_t* a, const uint16_t* b) {  // acc += a[0
 #endif
 }
 
-template <int M>
+template <int M, typename WT>
 void OutputsNK(const Problem& p, int64_t n0, int64_t count) {  // count <= 4 outputs
+  constexpr int64_t step = 64 / sizeof(WT);  // K elements per 64 bytes
+  const WT* w = static_cast<const WT*>(p.w);
+  const WT* x = static_cast<const WT*>(p.x_given);
   F16 acc[M][4] = {};
-  const uint16_t* rows[4];
-  for (int j = 0; j < 4; ++j) rows[j] = p.w + (n0 + std::min<int64_t>(j, count - 1)) * p.k;
+  const WT* rows[4];
+  for (int j = 0; j < 4; ++j) rows[j] = w + (n0 + std::min<int64_t>(j, count - 1)) * p.k;
   // The four rows are one contiguous block; the block kNkPrefetchBytes further on is prefetched,
   // four lines per step, so the prefetches keep pace with the reads.
   const char* ahead = reinterpret_cast<const char*>(rows[0]) + kNkPrefetchBytes;
-  const char* end = reinterpret_cast<const char*>(p.w + p.n * p.k);
-  for (int64_t k = 0; k < p.k; k += 2 * kLanes, ahead += 4 * 64) {
+  const char* end = reinterpret_cast<const char*>(w + p.n * p.k);
+  for (int64_t k = 0; k < p.k; k += step, ahead += 4 * 64) {
     for (int l = 0; l < 4; ++l)
       if (ahead + 64 * l < end) PrefetchLine(ahead + 64 * l);
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = Dot32(acc[m][j], p.x16 + m * p.k + k, rows[j] + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = Dot64Bytes(acc[m][j], x + m * p.k + k, rows[j] + k);
   }
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < count; ++j) p.y[m * p.n + n0 + j] = Sum(acc[m][j]);
 }
 
-template <int M>
+template <int M, typename WT>
 void ItemNK(const Problem& p, int64_t item) {
   const int64_t n0 = item * kRowsPerItem, n1 = std::min(p.n, n0 + kRowsPerItem);
-  for (int64_t n = n0; n < n1; n += 4) OutputsNK<M>(p, n, std::min<int64_t>(4, n1 - n));
+  for (int64_t n = n0; n < n1; n += 4) OutputsNK<M, WT>(p, n, std::min<int64_t>(4, n1 - n));
 }
 
 struct NoScratch {};
 
-template <int M>
+template <int M, typename WT>
 void Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
   const int64_t items = transposed ? (p.n + kRowsPerItem - 1) / kRowsPerItem : p.splits;
   jaxrunner_cpu::RunItems<NoScratch>(pool, items, [p, transposed](int64_t i, NoScratch&) {
-    if (transposed) ItemNK<M>(p, i);
-    else ItemKN<M>(p, i);
+    if (transposed) ItemNK<M, WT>(p, i);
+    else ItemKN<M, WT>(p, i);
   });
+}
+
+template <typename WT>
+void RunRows(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
+  switch (p.rows) {
+    case 1: Run<1, WT>(pool, p, transposed); break;
+    case 2: Run<2, WT>(pool, p, transposed); break;
+    case 3: Run<3, WT>(pool, p, transposed); break;
+    default: Run<4, WT>(pool, p, transposed); break;
+  }
 }
 
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Result<ffi::AnyBuffer> y, int64_t transposed) {
   using ffi::DataType;
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (x.element_type() != DataType::BF16 || w.element_type() != DataType::BF16 ||
+  const bool bf16 = x.element_type() == DataType::BF16;
+  if ((!bf16 && x.element_type() != DataType::F32) || w.element_type() != x.element_type() ||
       y->element_type() != DataType::F32)
-    return ffi::Error::InvalidArgument("small matmul: x and w must be bfloat16, y float32");
+    return ffi::Error::InvalidArgument("small matmul: x and w must be both bfloat16 or both float32, y float32");
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != (transposed ? 2 : 3))
     return ffi::Error::InvalidArgument("small matmul: x and w must be matrices, y [M, N] or [splits, M, N]");
   const int64_t rows = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
@@ -166,20 +187,20 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument("small matmul: shapes do not match");
   if (rows < 1 || rows > kMaxRows)
     return ffi::Error::InvalidArgument("small matmul: x must have 1 to 4 rows");
-  if (transposed ? k % (2 * kLanes) != 0 : n % kLanes != 0)
-    return ffi::Error::InvalidArgument("small matmul: K must be a multiple of 32 ([N, K] weights), "
-                                       "N a multiple of 16 ([K, N] weights)");
-  const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
-  std::vector<float> x32(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) x32[i] = ToF32(x16[i]);
-  const Problem p{rows, k, n, x32.data(), x16, static_cast<const uint16_t*>(w.untyped_data()),
-                  static_cast<float*>(y->untyped_data()), splits};
-  switch (rows) {
-    case 1: Run<1>(pool, p, transposed); break;
-    case 2: Run<2>(pool, p, transposed); break;
-    case 3: Run<3>(pool, p, transposed); break;
-    default: Run<4>(pool, p, transposed); break;
+  if (transposed ? k % (64 / (bf16 ? 2 : 4)) != 0 : n % kLanes != 0)
+    return ffi::Error::InvalidArgument("small matmul: K must fill whole 64-byte vectors ([N, K] weights: "
+                                       "32 bf16 or 16 float32), N a multiple of 16 ([K, N] weights)");
+  std::vector<float> x32;
+  const float* xf = static_cast<const float*>(x.untyped_data());
+  if (bf16) {
+    const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
+    x32.resize(rows * k);
+    for (int64_t i = 0; i < rows * k; ++i) x32[i] = ToF32(x16[i]);
+    xf = x32.data();
   }
+  const Problem p{rows, k, n, xf, x.untyped_data(), w.untyped_data(), static_cast<float*>(y->untyped_data()), splits};
+  if (bf16) RunRows<uint16_t>(pool, p, transposed);
+  else RunRows<float>(pool, p, transposed);
   return ffi::Error::Success();
 }
 
@@ -188,7 +209,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
-                                  .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16 or f32
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K], x's dtype
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32; [splits, M, N] for [K, N] w
                                   .Attr<int64_t>("transposed"));
