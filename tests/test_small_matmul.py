@@ -18,7 +18,8 @@ from jaxrunner.models import quant
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
 
-def _bf16(rng, shape, scale=1.0, dtype=jnp.bfloat16):
+def _normal(rng, shape, scale=1.0, dtype=jnp.bfloat16):
+    """Standard normal values times ``scale``, rounded to ``dtype``."""
     return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
 
@@ -42,7 +43,7 @@ DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_weights_k_by_n(rows, k, n, dtype):
     """[K, N] weights, including K below the split count and K not a multiple of four."""
     rng = np.random.default_rng(rows * 1000 + k + n)
-    _check(_bf16(rng, (rows, k), dtype=dtype), _bf16(rng, (k, n), 0.05, dtype), transposed=False)
+    _check(_normal(rng, (rows, k), dtype=dtype), _normal(rng, (k, n), 0.05, dtype), transposed=False)
 
 
 @DTYPES
@@ -51,14 +52,14 @@ def test_weights_k_by_n(rows, k, n, dtype):
 def test_weights_n_by_k(rows, n, k, dtype):
     """[N, K] weights (the tied embedding as LM head), including N not a multiple of four."""
     rng = np.random.default_rng(rows * 1000 + k + n)
-    _check(_bf16(rng, (rows, k), dtype=dtype), _bf16(rng, (n, k), 0.05, dtype), transposed=True)
+    _check(_normal(rng, (rows, k), dtype=dtype), _normal(rng, (n, k), 0.05, dtype), transposed=True)
 
 
 def test_each_output_sees_only_its_own_weights():
     """A NaN in one weight column (row, for [N, K]) poisons exactly that output."""
     rng = np.random.default_rng(0)
-    x = _bf16(rng, (2, 64))
-    w = np.asarray(_bf16(rng, (64, 48)), np.float32)
+    x = _normal(rng, (2, 64))
+    w = np.asarray(_normal(rng, (64, 48)), np.float32)
     w[:, 17] = np.nan
     got = np.asarray(native.small_matmul_native(x, jnp.asarray(w, jnp.bfloat16)))
     assert np.isnan(got[:, 17]).all() and np.isfinite(np.delete(got, 17, axis=1)).all()
@@ -90,8 +91,8 @@ def test_model_routes_one_row_products_only():
     """The model's matmuls use the kernel for one row on one CPU device (a batch-1 decode, the LM
     head of one sequence), bf16 or float32; multi-row and mixed-dtype products stay with XLA."""
     rng = np.random.default_rng(1)
-    w, embed = _bf16(rng, (64, 96)), _bf16(rng, (256, 64))
-    one, four = _bf16(rng, (1, 64)), _bf16(rng, (4, 64))
+    w, embed = _normal(rng, (64, 96)), _normal(rng, (256, 64))
+    one, four = _normal(rng, (1, 64)), _normal(rng, (4, 64))
     assert _native_calls(quant.matmul_f32_acc, one, w) == 1
     assert _native_calls(lambda x, e: quant.matmul_f32_acc(x, e, contract=(-1, 1)), one, embed) == 1
     assert _native_calls(quant.matmul_f32_acc, four, w) == 0
