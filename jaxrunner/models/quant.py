@@ -50,11 +50,10 @@ def linear_f32(x: jax.Array, w) -> jax.Array:
     16-bit operands accumulate in float32 (``preferred_element_type``), as transformers does, and
     on XLA:CPU that is also the fast path: measured [64, 576] x [576, 3072] bf16 -> f32 at 302
     GFLOP/s against 130 for a bf16 result and 152 for float32 operands (AVX512-BF16 here; no AMX).
+    Float32 operands take the same route, so that one-row products reach the native kernel.
     """
     if isinstance(w, dict):
         return int8_matmul(x, w).astype(jnp.float32)
-    if x.dtype == jnp.float32 and w.dtype != jnp.float32:
-        return x @ w  # mixed dtypes: promotion, as before
     return matmul_f32_acc(x, w)
 
 
@@ -71,9 +70,9 @@ def matmul_f32_acc(x: jax.Array, w: jax.Array, contract: tuple[int, int] = (-1, 
     decode reads every weight per token. XLA:CPU read bf16 weights at ~9 GB/s against ~22 for the
     kernel on the largest projection ([576, 3072]: 398 vs 160 us per call), and float32 ones at
     ~19 GB/s over a token (batch-1 float32 TPOT 28.7 -> 23.8-25.7 ms through the kernel, medians of
-    alternating runs). Other 16-bit ``x`` with fewer than ``MIN_16BIT_ROWS`` rows
-    are padded to that many: XLA:CPU routes a one-row bf16 dot to a GEMV that measured 9x slower
-    than the same dot with four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms)."""
+    alternating runs). Other 16-bit ``x`` with fewer than ``MIN_16BIT_ROWS`` rows are padded to that
+    many: XLA:CPU routes a one-row bf16 dot to a GEMV that measured 9x slower than the same dot with
+    four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms)."""
     dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
     native_layout = _native_matmul_layout(x, w, dims)
     if native_layout is not None:
