@@ -328,7 +328,7 @@ def test_truncated_file(files, tmp_path, where):
     with pytest.raises(GGUFFormatError, match=f"cut-{where}.gguf") as e:
         load_gguf(p, progress=False)
     assert "truncated or corrupt" in str(e.value)
-    if where in ("header", "data_end"):
+    if where == "header":  # the tokenizer reads metadata only; load_gguf above catches the rest
         with pytest.raises(GGUFFormatError, match=f"cut-{where}.gguf"):
             load_gguf_tokenizer(p)
 
@@ -381,6 +381,41 @@ def test_tokenizer_from_gguf_metadata(files):
     text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
                                    add_generation_prompt=True)
     assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tokenizer_matches_auto_tokenizer(files, arch):
+    """Built without AutoTokenizer (see load_gguf_tokenizer), it still encodes, decodes and
+    formats chats exactly as AutoTokenizer's tokenizer for the same file."""
+    import transformers
+
+    path, _ = files(arch, Q.F32)
+    ours = load_gguf_tokenizer(path)
+    directory, name = os.path.split(path)
+    ref = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    for text in ["hello world", " hello  world\n", "<|im_start|>hello<|im_end|>", "héllo wörld!"]:
+        assert ours(text).input_ids == ref(text).input_ids, text
+        assert ours.decode(ours(text).input_ids) == ref.decode(ref(text).input_ids), text
+    chat = [{"role": "user", "content": "hello"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (ours.bos_token, ours.eos_token, len(ours)) == (ref.bos_token, ref.eos_token, len(ref))
+
+
+def test_fast_reader_parses_what_gguf_reader_parses(files):
+    """_FastReader only changes how bytes are sliced: same fields, values and tensors."""
+    from jaxrunner.models.loading.gguf import _open_reader
+
+    path, _ = files("qwen2", Q.Q4_1)
+    ours, ref = _open_reader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(ref.fields)
+    for key, field in ref.fields.items():
+        assert ours.fields[key].types == field.types, key
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, int(t.data_offset)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, int(t.data_offset)) for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
 
 
 # ----------------------------------------------------------------------------- real model
