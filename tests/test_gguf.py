@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from jaxrunner.models.loading.gguf import (
+    DequantizedTensors,
     GGUFError,
     GGUFFormatError,
     UnsupportedGGUFError,
     load_gguf,
     load_gguf_tokenizer,
+    open_gguf,
 )
 
 Q = gguf.GGMLQuantizationType
@@ -219,6 +221,37 @@ def test_qwen2_is_not_permuted(files):
     for name, arr in sd.items():
         np.testing.assert_array_equal(ck.state_dict[name], arr, err_msg=name)
     assert "model.layers.0.self_attn.q_proj.bias" in ck.state_dict
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_open_gguf_dequantizes_on_access_what_load_gguf_loads(files, arch):
+    path, _ = files(arch, Q.Q4_1)
+    lazy, eager = open_gguf(path), load_gguf(path, progress=False)
+    assert isinstance(lazy.state_dict, DequantizedTensors)
+    assert (lazy.hf_config, lazy.tensor_types) == (eager.hf_config, eager.tensor_types)
+    assert list(lazy.state_dict) == list(eager.state_dict) and len(lazy.state_dict) == len(eager.state_dict)
+    assert "model.norm.weight" in lazy.state_dict and "model.nope.weight" not in lazy.state_dict
+    for name, value in eager.state_dict.items():
+        np.testing.assert_array_equal(lazy.state_dict[name], value, err_msg=name)
+
+
+def test_params_placed_layer_by_layer_equal_params_placed_at_once(files):
+    """The engine's single-device path (params_from_state_dict, a piece at a time, from the lazy
+    GGUF state) builds the same tree as the host-first path the sharded loader uses."""
+    import jax
+
+    from jaxrunner.models.config import ModelConfig
+    from jaxrunner.models.params import cast_params, host_params_from_state_dict, params_from_state_dict
+
+    path, _ = files("qwen2", Q.Q8_0)
+    ck = open_gguf(path)
+    cfg = ModelConfig.from_hf_dict(ck.hf_config)
+    streamed = params_from_state_dict(ck.state_dict, cfg, "bfloat16")
+    at_once = cast_params(host_params_from_state_dict(load_gguf(path, progress=False).state_dict, cfg), "bfloat16")
+    assert jax.tree.structure(streamed) == jax.tree.structure(at_once)
+    for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(at_once)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_unpermuted_qk_follow_hf_rotate_half_rope(files):

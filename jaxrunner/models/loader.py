@@ -10,10 +10,12 @@ import json
 import logging
 import os
 import time
+from typing import Mapping
 
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
-from jaxrunner.models.params import cast_params, host_params_from_state_dict, params_count, params_nbytes
+from jaxrunner.models.params import (cast_params, host_params_from_state_dict, params_count, params_from_state_dict,
+                                     params_nbytes)
 
 logger = logging.getLogger("jaxrunner")
 
@@ -43,18 +45,29 @@ class LoadedModel:
                 f"{self.num_params / 1e6:.1f}M params, {self.nbytes / 2**20:.1f} MiB, {self.load_seconds:.2f} s")
 
 
-def _read_host(source: ModelSource, progress: bool):
-    """(hf_config, host params, tokenizer) from any source kind."""
+@dataclasses.dataclass
+class _HostWeights:
+    """A source's weights before placement: a params tree (orbax) or an HF-named state dict (GGUF's
+    is lazy: each tensor is dequantized when read)."""
+    params: dict | None = None
+    state: Mapping | None = None
+
+    def host_params(self, cfg: ModelConfig, source: str) -> dict:
+        return self.params if self.params is not None else host_params_from_state_dict(self.state, cfg, source)
+
+
+def _read_host(source: ModelSource, progress: bool) -> tuple[dict, _HostWeights, object]:
+    """(hf_config, weights, tokenizer) from any source kind."""
     if source.kind == "orbax":
         from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
 
         params, hf_config, tokenizer = load_checkpoint(source.path)
         ModelConfig.from_hf_dict(hf_config, source=source.path)  # validate before use
-        return hf_config, params, tokenizer
+        return hf_config, _HostWeights(params=params), tokenizer
     if source.kind == "gguf":
-        from jaxrunner.models.loading.gguf import load_gguf, load_gguf_tokenizer
+        from jaxrunner.models.loading.gguf import load_gguf_tokenizer, open_gguf
 
-        checkpoint = load_gguf(source.path, progress=progress)
+        checkpoint = open_gguf(source.path)
         hf_config, state, tokenizer = checkpoint.hf_config, checkpoint.state_dict, load_gguf_tokenizer(source.path)
     else:
         from jaxrunner.models.loading.hf import load_hf_state_dict, load_hf_tokenizer, read_hf_config
@@ -62,8 +75,7 @@ def _read_host(source: ModelSource, progress: bool):
         hf_config = read_hf_config(source.path)
         ModelConfig.from_hf_dict(hf_config, source=source.path)  # fail on architecture before reading weights
         state, tokenizer = load_hf_state_dict(source.path, progress=progress), load_hf_tokenizer(source.path)
-    cfg = ModelConfig.from_hf_dict(hf_config, source=source.path)
-    return hf_config, host_params_from_state_dict(state, cfg, source=source.path), tokenizer
+    return hf_config, _HostWeights(state=state), tokenizer
 
 
 def _orbax_config(source: ModelSource) -> ModelConfig | None:
@@ -77,15 +89,21 @@ def _orbax_config(source: ModelSource) -> ModelConfig | None:
         return ModelConfig.from_hf_dict(json.load(f), source=source.path)
 
 
-def _place(host_params, cfg: ModelConfig, dtype: str, mesh):
-    """Host params -> (device params, served config, KV replication), sharded over ``mesh`` if given."""
-    if mesh is None:
-        return cast_params(host_params, dtype), cfg, 1
+def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: str, progress: bool):
+    """Host weights -> (device params, served config, KV replication), sharded over ``mesh`` if given.
+
+    A state dict is placed a piece at a time (``params_from_state_dict``), so host memory never
+    holds the whole model in float32 — unless KV heads must be replicated across shards first."""
     from jaxrunner.parallel import mesh as meshes, sharding
 
-    tp = meshes.tensor_parallel_size(mesh)
+    tp = 1 if mesh is None else meshes.tensor_parallel_size(mesh)
     meshes.check_tensor_parallel(cfg, tp)
-    host_params, served = sharding.replicate_kv_heads(host_params, cfg, tp)
+    if weights.state is not None and sharding.kv_replication(cfg, tp) == 1:
+        shardings_of = None if mesh is None else (lambda piece: sharding.param_shardings(piece, mesh, cfg))
+        return params_from_state_dict(weights.state, cfg, dtype, source, shardings_of, progress), cfg, 1
+    if mesh is None:
+        return cast_params(weights.params, dtype), cfg, 1
+    host_params, served = sharding.replicate_kv_heads(weights.host_params(cfg, source), cfg, tp)
     params = cast_params(host_params, dtype, sharding.param_shardings(host_params, mesh, served))
     return params, served, sharding.kv_replication(cfg, tp)
 
@@ -119,9 +137,9 @@ def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=N
         hf_config, params, tokenizer = _restore_sharded(source, orbax_cfg, dtype, mesh)
         config, replication = orbax_cfg, 1
     else:
-        hf_config, host, tokenizer = _read_host(source, progress)
-        params, config, replication = _place(host, ModelConfig.from_hf_dict(hf_config, source=source.path),
-                                             dtype, mesh)
+        hf_config, weights, tokenizer = _read_host(source, progress)
+        params, config, replication = _place(weights, ModelConfig.from_hf_dict(hf_config, source=source.path),
+                                             dtype, mesh, source.path, progress)
     loaded = LoadedModel(config, hf_config, params, tokenizer, source, dtype, time.perf_counter() - start,
                          mesh, replication)
     logger.info(loaded.summary())

@@ -16,6 +16,7 @@ One layout for every degree of parallelism, so a checkpoint restores straight in
 """
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 import jax
@@ -75,21 +76,37 @@ def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> 
 def host_params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig,
                                 source: str = "checkpoint") -> dict:
     """The params pytree as float32 host (numpy) arrays, from an HF-named state dict."""
-    d, vocab = cfg.hidden_size, cfg.vocab_size
-    host = {
-        "embed": _take(state, "model.embed_tokens.weight", (vocab, d), source),
-        "layers": [_layer_params(state, cfg, i, source) for i in range(cfg.num_layers)],
-        "final_norm": _take(state, "model.norm.weight", (d,), source),
-    }
-    if not cfg.tie_word_embeddings:
-        host["lm_head"] = _take(state, "lm_head.weight", (vocab, d), source).T
-    return host
+    return _params_tree(state, cfg, source, lambda tree: tree)
 
 
 def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dtype="float32",
-                           source: str = "checkpoint") -> dict:
-    """Build the params pytree (device arrays of ``dtype``) from an HF-named state dict."""
-    return cast_params(host_params_from_state_dict(state, cfg, source), dtype)
+                           source: str = "checkpoint", shardings_of=None, progress: bool = False) -> dict:
+    """Build the params pytree (device arrays of ``dtype``) from an HF-named state dict.
+
+    One piece (the embedding, a layer, ...) is built on the host and placed before the next is
+    read, so host memory holds one layer's float32 copy, not the model's; with a lazy ``state``
+    (a GGUF's :class:`~jaxrunner.models.loading.gguf.DequantizedTensors`) nothing else is resident.
+    ``shardings_of(piece)``: the piece's shardings (see :func:`cast_params`); None: default device.
+    """
+    return _params_tree(state, cfg, source,
+                        lambda piece: cast_params(piece, dtype, None if shardings_of is None else shardings_of(piece)),
+                        progress)
+
+
+def _params_tree(state, cfg: ModelConfig, source: str, finish, progress: bool = False) -> dict:
+    """The params pytree, each piece passed through ``finish`` as soon as it is built (top-level
+    leaves inside their one-key dict, so that ``finish`` sees their names)."""
+    from tqdm.auto import tqdm
+
+    d, vocab = cfg.hidden_size, cfg.vocab_size
+    params = finish({"embed": _take(state, "model.embed_tokens.weight", (vocab, d), source)})
+    layers = tqdm(range(cfg.num_layers), desc=f"Loading {os.path.basename(source)}", unit="layer",
+                  disable=not progress, leave=False)
+    params["layers"] = [finish(_layer_params(state, cfg, i, source)) for i in layers]
+    params.update(finish({"final_norm": _take(state, "model.norm.weight", (d,), source)}))
+    if not cfg.tie_word_embeddings:
+        params.update(finish({"lm_head": _take(state, "lm_head.weight", (vocab, d), source).T}))
+    return params
 
 
 def cast_params(params, dtype, shardings=None) -> dict:

@@ -1,8 +1,9 @@
 """GGUF (llama.cpp) checkpoints -> HF-named float32 numpy state dict + HF ``config.json`` dict.
 
-Reads the file with ``gguf.GGUFReader`` (memory-mapped; see :class:`_FastReader`), dequantizes every tensor with
-``gguf.quants.dequantize`` and renames llama.cpp tensors to their Hugging Face names, in torch
-layout ([out, in] for linear weights). See "Contract: model parameters" in docs/architecture.md.
+Reads the file with ``gguf.GGUFReader`` (memory-mapped; see :class:`_FastReader`), dequantizes
+tensors with ``gguf.quants.dequantize`` (each when it is read, from :func:`open_gguf`; all at once,
+from :func:`load_gguf`) and renames llama.cpp tensors to their Hugging Face names, in torch layout
+([out, in] for linear weights). See "Contract: model parameters" in docs/architecture.md.
 
 Q/K rotary layout. Hugging Face Llama checkpoints use the *rotate-half* RoPE layout: inside each
 head of size ``Dh`` the rotary pairs are ``(j, j + Dh/2)``. llama.cpp uses the *interleaved* layout,
@@ -25,7 +26,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import gguf
 import numpy as np
@@ -36,7 +37,9 @@ __all__ = [
     "GGUFFormatError",
     "UnsupportedGGUFError",
     "SUPPORTED_ARCHITECTURES",
+    "DequantizedTensors",
     "load_gguf",
+    "open_gguf",
     "load_gguf_tokenizer",
     "read_gguf_metadata",
     "unpermute_qk",
@@ -101,7 +104,7 @@ class GGUFCheckpoint:
     """What :func:`load_gguf` returns.
 
     ``hf_config``: an HF ``config.json`` dict; ``state_dict``: HF name -> float32 array (torch
-    layout); ``tensor_types``: HF name -> the GGML type it was stored as (e.g. ``"Q4_1"``);
+    layout; from :func:`open_gguf`, a :class:`DequantizedTensors` that reads them on access); ``tensor_types``: HF name -> the GGML type it was stored as (e.g. ``"Q4_1"``);
     ``metadata``: the file's scalar metadata (big token arrays left out).
     """
 
@@ -412,6 +415,76 @@ def _build_config(reader, path: str, tensors: dict) -> tuple[str, dict]:
 # ----------------------------------------------------------------------------- public API
 
 
+class DequantizedTensors(Mapping):
+    """The file's weights by HF name, each dequantized to float32 when it is read (not kept).
+
+    What :func:`open_gguf` hands out, so that the engine can build and place a model one layer at
+    a time: a 4-bit file is ~8x smaller than its float32 weights, and dequantizing all of them
+    first made loading peak at 2.4x (float32) to 4x (bfloat16) the served weights. Holds the
+    file's memory map open while it lives.
+    """
+
+    def __init__(self, reader, names: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                 qk_heads: dict[str, int], path: str):
+        self._reader, self._names, self._shapes, self._qk_heads, self._path = reader, names, shapes, qk_heads, path
+        self._tensors = {t.name: t for t in reader.tensors}
+
+    def __getitem__(self, hf_name: str) -> np.ndarray:
+        gguf_name = self._names[hf_name]
+        w = _dequantize(self._tensors[gguf_name], self._path)
+        if w.shape != self._shapes[hf_name]:
+            raise GGUFFormatError(
+                f"{self._path}: tensor {gguf_name!r} has shape {w.shape}, expected {self._shapes[hf_name]} "
+                f"for {hf_name} from the file's metadata", self._path)
+        if hf_name in self._qk_heads:
+            w = unpermute_qk(w, self._qk_heads[hf_name])
+        return np.ascontiguousarray(w)
+
+    def __contains__(self, hf_name) -> bool:  # Mapping's default would dequantize the tensor
+        return hf_name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Read a llama / qwen2 GGUF file's config, tensor table and metadata; the weights stay in the
+    file until read (``state_dict`` is a :class:`DequantizedTensors`).
+
+    Every check that needs no tensor data runs here (see :func:`load_gguf` for the errors); a
+    tensor's values are checked when it is dequantized.
+    """
+    path = os.fspath(path)
+    reader = _open_reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch, cfg = _build_config(reader, path, tensors)
+    names, rope_freqs = _name_plan(tensors, arch, cfg, path)
+    shapes = _expected_shapes(cfg)
+    missing = [k for k in shapes if k not in names]
+    if missing:
+        raise GGUFFormatError(
+            f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else ""), path)
+    qk_heads = {}
+    if SUPPORTED_ARCHITECTURES[arch][2]:  # llama.cpp permuted these rows; undo it on read
+        for hf_name in names:
+            if ".q_proj." in hf_name or ".k_proj." in hf_name:
+                qk_heads[hf_name] = cfg["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"]
+    if rope_freqs is not None:
+        scaling = _rope_scaling_from_freqs(_dequantize(tensors[rope_freqs], path), cfg["rope_theta"],
+                                           cfg["head_dim"], path)
+        if scaling is not None:
+            if "rope_scaling" in cfg:
+                raise UnsupportedGGUFError(f"{path}: both rope_freqs and {arch}.rope.scaling.* are set", path)
+            cfg["rope_scaling"] = scaling
+    types = {hf: tensors[g].tensor_type.name for hf, g in names.items()}
+    return GGUFCheckpoint(hf_config=cfg, state_dict=DequantizedTensors(reader, names, shapes, qk_heads, path),
+                          path=path, tensor_types=types, metadata=_metadata(reader))
+
+
 def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoint:
     """Load a llama / qwen2 GGUF file as an HF-named float32 state dict plus an HF config dict.
 
@@ -423,102 +496,70 @@ def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoi
     """
     from tqdm.auto import tqdm
 
-    path = os.fspath(path)
-    reader = _open_reader(path)
-    try:
-        tensors = {t.name: t for t in reader.tensors}
-        arch, cfg = _build_config(reader, path, tensors)
-        permuted = SUPPORTED_ARCHITECTURES[arch][2]
-        n_layers = cfg["num_hidden_layers"]
-        n_heads, n_kv, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        d, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    checkpoint = open_gguf(path)
+    lazy = checkpoint.state_dict
+    bar = tqdm(lazy, desc=f"Loading {os.path.basename(checkpoint.path)}", unit="tensor",
+               disable=not progress, leave=False)
+    checkpoint.state_dict = {name: lazy[name] for name in bar}
+    bar.close()
+    return checkpoint  # the memory map closes with ``lazy``: every tensor above is a copy
 
-        # name mapping (+ unknown tensors are an error: a silently dropped weight is a wrong model)
-        plan: list[tuple[str, str]] = []  # (gguf name, hf name)
-        unexpected, rope_freqs = [], None
-        for name in tensors:
-            if name in _GLOBAL_MAP:
-                plan.append((name, _GLOBAL_MAP[name]))
-                continue
-            if name == _ROPE_FREQS:
-                rope_freqs = name
-                continue
-            m = _BLK_RE.match(name)
-            if m and int(m.group(1)) < n_layers:
-                suffix = m.group(2)
-                if suffix in _LAYER_MAP:
-                    plan.append((name, f"model.layers.{m.group(1)}.{_LAYER_MAP[suffix]}"))
-                    continue
-                if suffix.split(".")[0] in _IGNORED_LAYER_SUFFIXES:
-                    continue
-            unexpected.append(name)
-        if unexpected:
-            raise UnsupportedGGUFError(
-                f"{path}: unexpected tensors for architecture {arch!r}: {', '.join(unexpected[:8])}"
-                + (" ..." if len(unexpected) > 8 else ""), path)
 
-        expected = {
-            "model.embed_tokens.weight": (vocab, d),
-            "model.norm.weight": (d,),
-        }
-        if not cfg["tie_word_embeddings"]:
-            expected["lm_head.weight"] = (vocab, d)
-        qkv_bias = cfg["attention_bias"]
-        for i in range(n_layers):
-            p = f"model.layers.{i}."
-            expected.update({
-                p + "self_attn.q_proj.weight": (n_heads * dh, d),
-                p + "self_attn.k_proj.weight": (n_kv * dh, d),
-                p + "self_attn.v_proj.weight": (n_kv * dh, d),
-                p + "self_attn.o_proj.weight": (d, n_heads * dh),
-                p + "mlp.gate_proj.weight": (inter, d),
-                p + "mlp.up_proj.weight": (inter, d),
-                p + "mlp.down_proj.weight": (d, inter),
-                p + "input_layernorm.weight": (d,),
-                p + "post_attention_layernorm.weight": (d,),
+def _name_plan(tensors: dict, arch: str, cfg: dict, path: str) -> tuple[dict[str, str], str | None]:
+    """({HF name: GGUF name}, the rope_freqs tensor's name or None); unknown tensors are an error:
+    a silently dropped weight is a wrong model."""
+    names: dict[str, str] = {}
+    unexpected, rope_freqs = [], None
+    for name in tensors:
+        if name in _GLOBAL_MAP:
+            names[_GLOBAL_MAP[name]] = name
+            continue
+        if name == _ROPE_FREQS:
+            rope_freqs = name
+            continue
+        m = _BLK_RE.match(name)
+        if m and int(m.group(1)) < cfg["num_hidden_layers"]:
+            suffix = m.group(2)
+            if suffix in _LAYER_MAP:
+                names[f"model.layers.{m.group(1)}.{_LAYER_MAP[suffix]}"] = name
+                continue
+            if suffix.split(".")[0] in _IGNORED_LAYER_SUFFIXES:
+                continue
+        unexpected.append(name)
+    if unexpected:
+        raise UnsupportedGGUFError(
+            f"{path}: unexpected tensors for architecture {arch!r}: {', '.join(unexpected[:8])}"
+            + (" ..." if len(unexpected) > 8 else ""), path)
+    return names, rope_freqs
+
+
+def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape (torch layout) of every tensor the config calls for."""
+    n_heads, n_kv, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    d, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, d)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (n_heads * dh, d),
+            p + "self_attn.k_proj.weight": (n_kv * dh, d),
+            p + "self_attn.v_proj.weight": (n_kv * dh, d),
+            p + "self_attn.o_proj.weight": (d, n_heads * dh),
+            p + "mlp.gate_proj.weight": (inter, d),
+            p + "mlp.up_proj.weight": (inter, d),
+            p + "mlp.down_proj.weight": (d, inter),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        })
+        if cfg["attention_bias"]:
+            shapes.update({
+                p + "self_attn.q_proj.bias": (n_heads * dh,),
+                p + "self_attn.k_proj.bias": (n_kv * dh,),
+                p + "self_attn.v_proj.bias": (n_kv * dh,),
             })
-            if qkv_bias:
-                expected.update({
-                    p + "self_attn.q_proj.bias": (n_heads * dh,),
-                    p + "self_attn.k_proj.bias": (n_kv * dh,),
-                    p + "self_attn.v_proj.bias": (n_kv * dh,),
-                })
-        have = {hf for _, hf in plan}
-        missing = [k for k in expected if k not in have]
-        if missing:
-            raise GGUFFormatError(
-                f"{path}: GGUF file lacks tensors for {', '.join(missing[:8])}"
-                + (" ..." if len(missing) > 8 else ""), path)
-
-        state: dict[str, np.ndarray] = {}
-        types: dict[str, str] = {}
-        bar = tqdm(plan, desc=f"Loading {os.path.basename(path)}", unit="tensor",
-                   disable=not progress, leave=False)
-        for gname, hfname in bar:
-            t = tensors[gname]
-            w = _dequantize(t, path)
-            if w.shape != expected[hfname]:
-                raise GGUFFormatError(
-                    f"{path}: tensor {gname!r} has shape {w.shape}, expected {expected[hfname]} "
-                    f"for {hfname} from the file's metadata", path)
-            if permuted and (".q_proj." in hfname or ".k_proj." in hfname):
-                w = unpermute_qk(w, n_heads if ".q_proj." in hfname else n_kv)
-            state[hfname] = np.ascontiguousarray(w)
-            types[hfname] = t.tensor_type.name
-        bar.close()
-
-        if rope_freqs is not None:
-            scaling = _rope_scaling_from_freqs(_dequantize(tensors[rope_freqs], path),
-                                               cfg["rope_theta"], dh, path)
-            if scaling is not None:
-                if "rope_scaling" in cfg:
-                    raise UnsupportedGGUFError(
-                        f"{path}: both rope_freqs and {arch}.rope.scaling.* are set", path)
-                cfg["rope_scaling"] = scaling
-        meta = _metadata(reader)
-    finally:
-        del reader  # release the memory map; every tensor above is a copy
-    return GGUFCheckpoint(hf_config=cfg, state_dict=state, path=path, tensor_types=types, metadata=meta)
+    return shapes
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
