@@ -47,8 +47,8 @@ class LoadedModel:
 
 @dataclasses.dataclass
 class _HostWeights:
-    """A source's weights before placement: a params tree (orbax) or an HF-named state dict (GGUF's
-    is lazy: each tensor is dequantized when read)."""
+    """A source's weights before placement: a params tree (orbax) or an HF-named state dict (lazy:
+    each tensor is read, and a GGUF's dequantized, when accessed)."""
     params: dict | None = None
     state: Mapping | None = None
 
@@ -70,11 +70,11 @@ def _read_host(source: ModelSource, progress: bool) -> tuple[dict, _HostWeights,
         checkpoint = open_gguf(source.path)
         hf_config, state, tokenizer = checkpoint.hf_config, checkpoint.state_dict, load_gguf_tokenizer(source.path)
     else:
-        from jaxrunner.models.loading.hf import load_hf_state_dict, load_hf_tokenizer, read_hf_config
+        from jaxrunner.models.loading.hf import load_hf_tokenizer, open_hf_state_dict, read_hf_config
 
         hf_config = read_hf_config(source.path)
         ModelConfig.from_hf_dict(hf_config, source=source.path)  # fail on architecture before reading weights
-        state, tokenizer = load_hf_state_dict(source.path, progress=progress), load_hf_tokenizer(source.path)
+        state, tokenizer = open_hf_state_dict(source.path), load_hf_tokenizer(source.path)
     return hf_config, _HostWeights(state=state), tokenizer
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Mapping
 
 import numpy as np
 from safetensors import safe_open
@@ -41,29 +42,55 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise CheckpointFormatError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def _read_all(path: str, framework: str, progress: bool) -> dict:
-    with safe_open(path, framework=framework) as handle:
-        names = list(handle.keys())
-        bar = tqdm(names, desc=os.path.basename(path), disable=not progress, leave=False)
-        return {name: handle.get_tensor(name) for name in bar}
+class SafetensorsTensors(Mapping):
+    """Every tensor of some safetensors files by name, read from disk when accessed (not kept).
 
+    Lazy for the same reason as the GGUF loader's ``DequantizedTensors``: the engine places a model
+    a layer at a time, so only one layer's host copy exists at once. Headers are read (and checked)
+    up front; a bad file fails here with :class:`CheckpointFormatError`, not half-way through.
+    """
 
-def read_safetensors(path: str, progress: bool = False) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file as a numpy array (bfloat16 through ml_dtypes)."""
-    try:
+    def __init__(self, files: list[str]):
+        self._handles, self._file_of = {}, {}
+        for path in files:
+            try:
+                self._handles[path] = handle = safe_open(path, framework="numpy")
+                names = list(handle.keys())
+            except Exception as err:  # safetensors raises its own SafetensorError on bad headers/sizes
+                raise CheckpointFormatError(f"{path}: truncated or corrupt safetensors file ({err})") from None
+            self._file_of.update(dict.fromkeys(names, path))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        path = self._file_of[name]
         try:
-            return _read_all(path, "numpy", progress)
-        except TypeError:  # numpy has no bfloat16: read through JAX arrays, which do
-            return {k: np.asarray(v) for k, v in _read_all(path, "flax", progress).items()}
-    except Exception as err:  # safetensors raises its own SafetensorError on bad headers/sizes
-        raise CheckpointFormatError(f"{path}: truncated or corrupt safetensors file ({err})") from None
+            try:
+                return self._handles[path].get_tensor(name)
+            except TypeError:  # numpy has no bfloat16: read through JAX, which has (ml_dtypes)
+                with safe_open(path, framework="flax") as handle:
+                    return np.asarray(handle.get_tensor(name))
+        except Exception as err:
+            raise CheckpointFormatError(f"{path}: cannot read tensor {name!r} ({err})") from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._file_of
+
+    def __iter__(self):
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
+def open_hf_state_dict(model_dir: str) -> SafetensorsTensors:
+    """The directory's weights by HF name, each read when accessed."""
+    return SafetensorsTensors(safetensors_files(model_dir))
 
 
 def load_hf_state_dict(model_dir: str, progress: bool = False) -> dict[str, np.ndarray]:
-    state: dict[str, np.ndarray] = {}
-    for path in safetensors_files(model_dir):
-        state.update(read_safetensors(path, progress=progress))
-    return state
+    """The directory's weights by HF name, all read now (bfloat16 through ml_dtypes)."""
+    lazy = open_hf_state_dict(model_dir)
+    return {name: lazy[name] for name in tqdm(lazy, desc=os.path.basename(model_dir), disable=not progress,
+                                               leave=False)}
 
 
 def load_hf_tokenizer(model_dir: str):
