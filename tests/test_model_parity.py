@@ -22,12 +22,22 @@ def hf_logits(model_dir: str, ids: np.ndarray, dtype=torch.float32) -> np.ndarra
         return model(torch.tensor(ids)[None]).logits[0].float().numpy()
 
 
-def our_logits(model_dir: str, ids: np.ndarray, dtype: str) -> np.ndarray:
+def our_logits(model_dir: str, ids: np.ndarray, dtype: str, rows=None) -> np.ndarray:
     loaded = load_model(model_dir, dtype, progress=False)
     cfg = loaded.config
     hidden, _ = llama.forward(loaded.params, cfg, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
-                              jnp.zeros(len(ids), jnp.int32), DenseAttention())
+                              jnp.zeros(len(ids), jnp.int32), DenseAttention(), rows=rows)
     return np.asarray(llama.compute_logits(loaded.params, cfg, hidden))
+
+
+@pytest.mark.parametrize("rows", [[0], [3, 11, 11], [11, 2]])
+def test_forward_on_selected_rows_matches_those_rows_of_the_full_forward(tiny_checkpoints, rows):
+    """``rows`` cuts the last layer's output projection and MLP to the sampled rows only."""
+    ids = np.random.default_rng(3).integers(0, 512, 12)
+    full = our_logits(tiny_checkpoints["llama"], ids, "float32")
+    picked = our_logits(tiny_checkpoints["llama"], ids, "float32", rows=jnp.asarray(rows))
+    assert picked.shape == (len(rows), full.shape[1])
+    np.testing.assert_allclose(picked, full[rows], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -35,8 +35,9 @@ def model_step(params, kv_cache, batch, feed, *, cfg: ModelConfig, attention):
     """
     fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
     token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
-    hidden, kv_cache = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch, attention)
-    logits = llama.compute_logits(params, cfg, jnp.take(hidden, batch["logits_indices"], axis=0))
+    hidden, kv_cache = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch, attention,
+                                     rows=batch["logits_indices"])
+    logits = llama.compute_logits(params, cfg, hidden)
     sampled = sampler.sample(logits, batch["sampling"])
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), sampled["tokens"].astype(feed.dtype), (0,))
     return sampled, next_feed, kv_cache
