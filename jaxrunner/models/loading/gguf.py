@@ -104,7 +104,8 @@ class GGUFCheckpoint:
     """What :func:`load_gguf` returns.
 
     ``hf_config``: an HF ``config.json`` dict; ``state_dict``: HF name -> float32 array (torch
-    layout; from :func:`open_gguf`, a :class:`DequantizedTensors` that reads them on access); ``tensor_types``: HF name -> the GGML type it was stored as (e.g. ``"Q4_1"``);
+    layout; from :func:`open_gguf`, a :class:`DequantizedTensors` that reads them on access);
+    ``tensor_types``: HF name -> the GGML type it was stored as (e.g. ``"Q4_1"``);
     ``metadata``: the file's scalar metadata (big token arrays left out).
     """
 
@@ -419,7 +420,7 @@ class DequantizedTensors(Mapping):
     """The file's weights by HF name, each dequantized to float32 when it is read (not kept).
 
     What :func:`open_gguf` hands out, so that the engine can build and place a model one layer at
-    a time: a 4-bit file is ~8x smaller than its float32 weights, and dequantizing all of them
+    a time: a 4-bit file is ~6x smaller than its float32 weights, and dequantizing all of them
     first made loading peak at 2.4x (float32) to 4x (bfloat16) the served weights. Holds the
     file's memory map open while it lives.
     """
