@@ -236,8 +236,8 @@ def test_open_gguf_dequantizes_on_access_what_load_gguf_loads(files, arch):
 
 
 def test_params_placed_layer_by_layer_equal_params_placed_at_once(files):
-    """The engine's single-device path (params_from_state_dict, a piece at a time, from the lazy
-    GGUF state) builds the same tree as the host-first path the sharded loader uses."""
+    """Params built a piece at a time from the lazy GGUF state (``build_params``, as the loader
+    does) equal params built from the whole float32 host tree."""
     import jax
 
     from jaxrunner.models.config import ModelConfig

@@ -14,8 +14,7 @@ from typing import Mapping
 
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
-from jaxrunner.models.params import (cast_params, host_params_from_state_dict, params_count, params_from_state_dict,
-                                     params_nbytes)
+from jaxrunner.models.params import build_params, cast_params, params_count, params_nbytes
 
 logger = logging.getLogger("jaxrunner")
 
@@ -51,9 +50,6 @@ class _HostWeights:
     each tensor is read, and a GGUF's dequantized, when accessed)."""
     params: dict | None = None
     state: Mapping | None = None
-
-    def host_params(self, cfg: ModelConfig, source: str) -> dict:
-        return self.params if self.params is not None else host_params_from_state_dict(self.state, cfg, source)
 
 
 def _read_host(source: ModelSource, progress: bool) -> tuple[dict, _HostWeights, object]:
@@ -92,19 +88,24 @@ def _orbax_config(source: ModelSource) -> ModelConfig | None:
 def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: str, progress: bool):
     """Host weights -> (device params, served config, KV replication), sharded over ``mesh`` if given.
 
-    A state dict is placed a piece at a time (``params_from_state_dict``), so host memory never
-    holds the whole model in float32 — unless KV heads must be replicated across shards first."""
+    A state dict is placed a piece at a time (``build_params``): host memory never holds the whole
+    model in float32. KV heads are replicated per layer when there are fewer than shards."""
     from jaxrunner.parallel import mesh as meshes, sharding
 
     tp = 1 if mesh is None else meshes.tensor_parallel_size(mesh)
     meshes.check_tensor_parallel(cfg, tp)
-    if weights.state is not None and sharding.kv_replication(cfg, tp) == 1:
-        shardings_of = None if mesh is None else (lambda piece: sharding.param_shardings(piece, mesh, cfg))
-        return params_from_state_dict(weights.state, cfg, dtype, source, shardings_of, progress), cfg, 1
-    if mesh is None:
-        return cast_params(weights.params, dtype), cfg, 1
-    host_params, served = sharding.replicate_kv_heads(weights.host_params(cfg, source), cfg, tp)
-    params = cast_params(host_params, dtype, sharding.param_shardings(host_params, mesh, served))
+    served = sharding.served_config(cfg, tp)
+
+    def place(piece: dict) -> dict:
+        if "wqkv" in piece:  # a layer
+            piece = sharding.replicate_kv_heads_in_layer(piece, cfg, tp)
+        return cast_params(piece, dtype, None if mesh is None else sharding.param_shardings(piece, mesh, served))
+
+    if weights.state is not None:
+        params = build_params(weights.state, cfg, place, source, progress)
+    else:
+        host = sharding.replicate_kv_heads(weights.params, cfg, tp)[0]
+        params = cast_params(host, dtype, None if mesh is None else sharding.param_shardings(host, mesh, served))
     return params, served, sharding.kv_replication(cfg, tp)
 
 

@@ -76,36 +76,36 @@ def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> 
 def host_params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig,
                                 source: str = "checkpoint") -> dict:
     """The params pytree as float32 host (numpy) arrays, from an HF-named state dict."""
-    return _params_tree(state, cfg, source, lambda tree: tree)
+    return build_params(state, cfg, lambda piece: piece, source)
 
 
 def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dtype="float32",
-                           source: str = "checkpoint", shardings_of=None, progress: bool = False) -> dict:
-    """Build the params pytree (device arrays of ``dtype``) from an HF-named state dict.
+                           source: str = "checkpoint") -> dict:
+    """The params pytree as device arrays of ``dtype`` on the default device, built a piece at a
+    time (see :func:`build_params`)."""
+    return build_params(state, cfg, lambda piece: cast_params(piece, dtype), source)
 
-    One piece (the embedding, a layer, ...) is built on the host and placed before the next is
-    read, so host memory holds one layer's float32 copy, not the model's; with a lazy ``state``
-    (a GGUF's :class:`~jaxrunner.models.loading.gguf.DequantizedTensors`) nothing else is resident.
-    ``shardings_of(piece)``: the piece's shardings (see :func:`cast_params`); None: default device.
+
+def build_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, source: str = "checkpoint",
+                 progress: bool = False) -> dict:
+    """The params pytree, each piece (the embedding, a layer, ...) handed to ``place(piece)`` as
+    soon as it is built on the host, before the next is read.
+
+    With ``place`` putting pieces on devices, host memory holds one layer's float32 copy, not the
+    model's; with a lazy ``state`` (a GGUF's ``DequantizedTensors``, safetensors'
+    ``SafetensorsTensors``) nothing else is resident. Top-level leaves arrive inside their one-key
+    dict (``{"embed": array}``), so that ``place`` sees their names (sharding goes by name).
     """
-    return _params_tree(state, cfg, source,
-                        lambda piece: cast_params(piece, dtype, None if shardings_of is None else shardings_of(piece)),
-                        progress)
-
-
-def _params_tree(state, cfg: ModelConfig, source: str, finish, progress: bool = False) -> dict:
-    """The params pytree, each piece passed through ``finish`` as soon as it is built (top-level
-    leaves inside their one-key dict, so that ``finish`` sees their names)."""
     from tqdm.auto import tqdm
 
     d, vocab = cfg.hidden_size, cfg.vocab_size
-    params = finish({"embed": _take(state, "model.embed_tokens.weight", (vocab, d), source)})
+    params = place({"embed": _take(state, "model.embed_tokens.weight", (vocab, d), source)})
     layers = tqdm(range(cfg.num_layers), desc=f"Loading {os.path.basename(source)}", unit="layer",
                   disable=not progress, leave=False)
-    params["layers"] = [finish(_layer_params(state, cfg, i, source)) for i in layers]
-    params.update(finish({"final_norm": _take(state, "model.norm.weight", (d,), source)}))
+    params["layers"] = [place(_layer_params(state, cfg, i, source)) for i in layers]
+    params.update(place({"final_norm": _take(state, "model.norm.weight", (d,), source)}))
     if not cfg.tie_word_embeddings:
-        params.update(finish({"lm_head": _take(state, "lm_head.weight", (vocab, d), source).T}))
+        params.update(place({"lm_head": _take(state, "lm_head.weight", (vocab, d), source).T}))
     return params
 
 

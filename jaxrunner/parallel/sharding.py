@@ -83,15 +83,21 @@ def kv_replication(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
 
 
-def replicate_kv_heads(host_params: dict, cfg: ModelConfig, tp: int) -> tuple[dict, ModelConfig]:
-    """Give every one of ``tp`` shards its own KV head: host params and config with ``tp`` KV heads.
+def served_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config as served by ``tp`` shards: ``tp`` KV heads when they had to be replicated."""
+    r = kv_replication(cfg, tp)
+    return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+
+
+def replicate_kv_heads_in_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
+    """One layer's host params with every one of ``tp`` shards given its own KV head.
 
     Group ``g`` (its ``G`` query heads, ``k_g``, ``v_g``) becomes ``r = tp / Hkv`` groups, each with
     ``G / r`` of the query heads and a copy of ``k_g``, ``v_g``; query head order is unchanged.
     """
     r = kv_replication(cfg, tp)
     if r == 1:
-        return host_params, cfg
+        return layer
     kv_heads, dim = cfg.num_kv_heads, cfg.head_dim
     group = cfg.num_heads // kv_heads
 
@@ -102,13 +108,16 @@ def replicate_kv_heads(host_params: dict, cfg: ModelConfig, tp: int) -> tuple[di
         kv = np.broadcast_to(w[..., None, group:, :], (*lead, kv_heads, r, 2, dim))
         return np.concatenate([q, kv], axis=-2).reshape(*lead, -1)
 
-    layers = []
-    for layer in host_params["layers"]:
-        layer = dict(layer, wqkv=regroup(layer["wqkv"]))
-        if "bqkv" in layer:
-            layer["bqkv"] = regroup(layer["bqkv"])
-        layers.append(layer)
-    return {**host_params, "layers": layers}, dataclasses.replace(cfg, num_kv_heads=kv_heads * r)
+    layer = dict(layer, wqkv=regroup(layer["wqkv"]))
+    if "bqkv" in layer:
+        layer["bqkv"] = regroup(layer["bqkv"])
+    return layer
+
+
+def replicate_kv_heads(host_params: dict, cfg: ModelConfig, tp: int) -> tuple[dict, ModelConfig]:
+    """:func:`replicate_kv_heads_in_layer` over a whole host params tree; also the served config."""
+    layers = [replicate_kv_heads_in_layer(layer, cfg, tp) for layer in host_params["layers"]]
+    return {**host_params, "layers": layers}, served_config(cfg, tp)
 
 
 # ----------------------------------------------------------------------------- accounting
