@@ -52,7 +52,7 @@ class _HostWeights:
     state: Mapping | None = None
 
 
-def _read_host(source: ModelSource, progress: bool) -> tuple[dict, _HostWeights, object]:
+def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
     """(hf_config, weights, tokenizer) from any source kind."""
     if source.kind == "orbax":
         from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
@@ -138,7 +138,7 @@ def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=N
         hf_config, params, tokenizer = _restore_sharded(source, orbax_cfg, dtype, mesh)
         config, replication = orbax_cfg, 1
     else:
-        hf_config, weights, tokenizer = _read_host(source, progress)
+        hf_config, weights, tokenizer = _read_host(source)
         params, config, replication = _place(weights, ModelConfig.from_hf_dict(hf_config, source=source.path),
                                              dtype, mesh, source.path, progress)
     loaded = LoadedModel(config, hf_config, params, tokenizer, source, dtype, time.perf_counter() - start,
