@@ -52,6 +52,7 @@ class SafetensorsTensors(Mapping):
 
     def __init__(self, files: list[str]):
         self._handles, self._file_of = {}, {}
+        self._flax_handles = {}  # files holding bfloat16, which numpy cannot read: opened once, on need
         for path in files:
             try:
                 self._handles[path] = handle = safe_open(path, framework="numpy")
@@ -63,11 +64,12 @@ class SafetensorsTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         path = self._file_of[name]
         try:
-            try:
-                return self._handles[path].get_tensor(name)
-            except TypeError:  # numpy has no bfloat16: read through JAX, which has (ml_dtypes)
-                with safe_open(path, framework="flax") as handle:
-                    return np.asarray(handle.get_tensor(name))
+            if path not in self._flax_handles:
+                try:
+                    return self._handles[path].get_tensor(name)
+                except TypeError:  # numpy has no bfloat16: read through JAX, which has (ml_dtypes)
+                    self._flax_handles[path] = safe_open(path, framework="flax")
+            return np.asarray(self._flax_handles[path].get_tensor(name))
         except Exception as err:
             raise CheckpointFormatError(f"{path}: cannot read tensor {name!r} ({err})") from None
 
