@@ -187,8 +187,9 @@ def small_matmul_native(x, w, *, transposed: bool = False):
     operands and 1 to 4 rows: each weight is read once, on all threads (see ``cpu/small_matmul.cc``)."""
     _require()
     if not small_matmul_supported(x, w, transposed):
-        raise ValueError(f"the native small matmul takes x [1..{MATMUL_MAX_ROWS}, K] and w, both bf16 or both float32; got "
-                         f"x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, transposed={transposed}")
+        raise ValueError(f"the native small matmul takes x [1..{MATMUL_MAX_ROWS}, K] and w, both bf16 or both "
+                         f"float32; got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, "
+                         f"transposed={transposed}")
     rows = x.shape[0]
     if transposed:
         call = jax.ffi.ffi_call(MATMUL_TARGET_NAME, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))
