@@ -114,7 +114,8 @@ class LLM:
             completion.index = index
             completions.append(completion)
         return RequestOutput(first.request_id.split("#")[0], first.prompt, first.prompt_token_ids, completions,
-                             finished=True, num_cached_tokens=first.num_cached_tokens)
+                             finished=True, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=first.prompt_logprobs)
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

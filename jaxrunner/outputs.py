@@ -5,14 +5,27 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's entry in a logprobs dict, as vLLM's: its logprob in the model's raw distribution,
+    its rank there (1 = most likely) and its text (None when the model has no tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position, {token_id: Logprob} for the actual (sampled or prompt) token and the top-k tokens.
+LogprobsDict = dict[int, Logprob]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # With SamplingParams.logprobs=k: per generated token, {token_id: logprob} for the sampled token
-    # and the top-k tokens.
-    logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.logprobs=k: per generated token, the sampled token and the top-k.
+    logprobs: list[LogprobsDict] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -30,3 +43,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Text added since the previous output of this request (what a stream prints).
     delta_text: str = ""
+    # With SamplingParams.prompt_logprobs=k: per prompt token, the token and the top-k; None at
+    # position 0 (nothing predicts the first token), as in vLLM.
+    prompt_logprobs: list[LogprobsDict | None] | None = None

@@ -1,8 +1,11 @@
 """Per-request sampling settings, shaped like vLLM's ``SamplingParams``.
 
-Everything is checked once, here, so the scheduler, the engine and the on-device sampler can take
-the values as given. Every rejection is a ``ValueError`` that names the field and the bad value,
-because these errors travel straight back to the user (CLI, ``LLM.generate``).
+Everything that needs no model is checked once, here, so the scheduler, the engine and the
+on-device sampler can take the values as given. What needs the model (token ids against the
+vocabulary, ``logprobs`` against the engine's ``max_logprobs``, the fixed widths of the sampler's
+per-row arrays) is checked by ``LLMEngine.check_sampling_params`` before a request is queued.
+Every rejection is a ``ValueError`` that names the field and the bad value, because these errors
+travel straight back to the user (CLI, ``LLM.generate``).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from dataclasses import dataclass
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would overflow.
 GREEDY_TEMPERATURE = 1e-5
+# Seeds are 64-bit (both halves feed the sampler's key), as torch generators take them in vLLM.
+SEED_RANGE = (0, 2**64)
 
 
 @dataclass
@@ -19,24 +24,31 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 disables top-k
+    top_k: int = 0  # 0 (or -1) disables top-k
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None  # return the top-k logprobs per sampled token
+    logprobs: int | None = None  # the sampled token's logprob plus the top-k, per sampled token
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never generate these words (vLLM semantics)
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_floats()
+        self._check_bools()
         self._normalize_stops()
+        self._normalize_token_options()
 
     @property
     def greedy(self) -> bool:
@@ -54,18 +66,24 @@ class SamplingParams:
         _require_int("n", self.n)
         _require(self.n >= 1, "n", self.n, "must be at least 1")
         _require_int("top_k", self.top_k)
-        _require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k,
-                 "must be -1 (disabled) or at least 1")
-        _require_int("max_tokens", self.max_tokens)
-        _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
+        _require(self.top_k >= -1, "top_k", self.top_k, "must be 0 or -1 (disabled) or at least 1")
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens)
+            _require(self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                     "must be at least 1 (or None: up to max_model_len)")
         _require_int("min_tokens", self.min_tokens)
-        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                 f"must be in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
-            _require(self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0")
+        upper = "max_tokens" if self.max_tokens is None else f"max_tokens={self.max_tokens}"
+        _require(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                 "min_tokens", self.min_tokens, f"must be in [0, {upper}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                _require(value >= 0, name, value, "must be >= 0 (or None)")
         if self.seed is not None:
             _require_int("seed", self.seed)
+            low, high = SEED_RANGE
+            _require(low <= self.seed < high, "seed", self.seed, "must be in [0, 2**64) (or None)")
 
     def _check_floats(self) -> None:
         _require_number("temperature", self.temperature)
@@ -82,6 +100,11 @@ class SamplingParams:
             _require_number(name, value)
             _require(-2 <= value <= 2, name, value, "must be in [-2, 2]")
 
+    def _check_bools(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, value, "must be True or False")
+
     def _normalize_stops(self) -> None:
         """Accept a single stop string (as vLLM does) and copy lists so callers can't alias them."""
         if isinstance(self.stop, str):
@@ -96,6 +119,35 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 _require(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                          "must hold non-negative ints")
+
+    def _normalize_token_options(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words: checked and copied (ids against the vocabulary
+        later, by the engine)."""
+        if self.logit_bias is not None:
+            _require(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+                     "must be a dict {token_id: bias}")
+            for token, bias in self.logit_bias.items():
+                _require(_is_int(token) and token >= 0, "logit_bias", self.logit_bias,
+                         "keys must be non-negative int token ids")
+                _require(isinstance(bias, numbers.Real) and not isinstance(bias, bool) and math.isfinite(bias),
+                         "logit_bias", self.logit_bias, "values must be finite numbers")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            _require(not isinstance(self.allowed_token_ids, (str, bytes, dict)), "allowed_token_ids",
+                     self.allowed_token_ids, "must be a list of token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
+                     "must hold at least one token id (or be None)")
+            for t in self.allowed_token_ids:
+                _require(_is_int(t) and t >= 0, "allowed_token_ids", self.allowed_token_ids,
+                         "must hold non-negative ints")
+        if self.bad_words is not None:
+            _require(not isinstance(self.bad_words, (str, bytes, dict)), "bad_words", self.bad_words,
+                     "must be a list of strings")
+            self.bad_words = list(self.bad_words)
+            for word in self.bad_words:
+                _require(isinstance(word, str) and word.strip() != "", "bad_words", self.bad_words,
+                         "must hold non-blank strings")
 
 
 def _is_int(value) -> bool:

@@ -30,9 +30,10 @@ from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
 from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_params_int8
-from jaxrunner.outputs import CompletionOutput, RequestOutput
+from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
-from jaxrunner.runner.batch import pack_step
+from jaxrunner.runner.batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, pack_step
+from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
@@ -46,7 +47,9 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     max_tokens: int
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[LogprobsDict] | None
+    # per prompt position (None at 0 and until computed), with SamplingParams.prompt_logprobs
+    prompt_logprobs: list[LogprobsDict | None] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
 
@@ -124,11 +127,60 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")
 
+    # ------------------------------------------------------------------ sampling params
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs per token a request may ask for (the width the sampler computes)."""
+        return MAX_LOGPROBS
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary,
+        logprobs against ``max_logprobs``, and the caps of the sampler's per-row arrays
+        (``runner.batch``). A ``ValueError`` names the field and the valid values."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={value!r}: must be in [0, max_logprobs="
+                                 f"{self.max_logprobs}] (or None)")
+        vocab = self.model.config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids or () if t >= vocab]
+            if bad:
+                raise ValueError(f"SamplingParams.{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        for name, count, cap in (("logit_bias", len(params.logit_bias or ()), MAX_LOGIT_BIAS),
+                                 ("allowed_token_ids", len(set(params.allowed_token_ids or ())), MAX_ALLOWED_TOKEN_IDS)):
+            if count > cap:
+                raise ValueError(f"SamplingParams.{name}: {count} entries, at most {cap} are supported")
+        banned = len(self._bad_words_token_ids(params))
+        if params.min_tokens > 0:
+            banned += len(set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        if banned > MAX_BANNED_TOKENS:
+            raise ValueError(f"SamplingParams.bad_words: {banned} banned token sequences (bad words, with "
+                             f"stop_token_ids and EOS under min_tokens), at most {MAX_BANNED_TOKENS} are supported")
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids, as vLLM tokenizes them: the word as given (left-stripped),
+        and with a leading space when that is another tokenization of the same length."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words: this model has no tokenizer to encode them")
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return sequences
+
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
         """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        self.check_sampling_params(params)
         if params.n != 1:
             raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
         request_id = str(request_id)
@@ -138,13 +190,16 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         arrival = next(self._arrivals)
         # Unseeded requests get a seed derived from the engine's, so a run is reproducible.
-        seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & 0xFFFFFFFF
-        max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
-        request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed)
+        seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & (2**64 - 1)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed,
+                          bad_words_token_ids=self._bad_words_token_ids(params))
         self.scheduler.add(request)
         self._tracked[request_id] = _Tracked(
             request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop),
-            max_tokens, [] if params.logprobs else None)
+            max_tokens, [] if params.logprobs is not None else None,
+            [None] * len(token_ids) if params.prompt_logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> None:
         if self._tracked.pop(str(request_id), None) is not None:
@@ -186,7 +241,7 @@ class LLMEngine:
     def _can_plan_behind(self) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
         when a request's sampling needs its whole history (penalties) on the host."""
-        return not any(request.sampling_params.uses_penalties
+        return not any(request.needs_host_history
                        for request in itertools.chain(self.scheduler.running, self.scheduler.waiting))
 
     def _launch_behind(self, current: _PendingStep) -> "_PendingStep | None":
@@ -204,7 +259,11 @@ class LLMEngine:
         """Wait for a launched step, then append, detokenize and finish its requests."""
         if pending is None:
             return []
-        plan, sampled = pending.plan, self.runner.fetch(pending.device_outputs)
+        plan = pending.plan
+        wants_prompt = any(chunk.request.sampling_params.prompt_logprobs is not None for chunk in plan.chunks)
+        sampled = self.runner.fetch(pending.device_outputs, prompt_logprobs=wants_prompt)
+        if wants_prompt:
+            self._accept_prompt_logprobs(plan, sampled)
         if not pending.updated:
             self.scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
@@ -227,9 +286,9 @@ class LLMEngine:
         logprob = float(sampled["logprobs"][row])
         tracked.cumulative_logprob += logprob
         if tracked.logprobs is not None:
-            k = request.sampling_params.logprobs
-            top = {int(t): float(v) for t, v in zip(sampled["top_ids"][row][:k], sampled["top_logprobs"][row][:k])}
-            tracked.logprobs.append({token: logprob, **top})
+            tracked.logprobs.append(self._logprobs_dict(
+                token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
+                sampled["top_ids"][row], sampled["top_logprobs"][row]))
         reason = self._finish_reason(tracked, token, len(tracked.detokenizer.text) - text_before)
         if reason is not None:
             self.scheduler.finish(request, reason)
@@ -237,6 +296,34 @@ class LLMEngine:
         if reason is not None:
             del self._tracked[request.request_id]
         return output
+
+    def _accept_prompt_logprobs(self, plan, sampled) -> None:
+        """Record the prompt logprobs a step computed: the row of prompt position p holds those of
+        the token at p + 1. Chunks accumulate; a position computed twice (after a preemption)
+        keeps its first record."""
+        cursor = 0
+        for chunk in plan.chunks:
+            tracked = self._tracked.get(chunk.request.request_id)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                prompt, k = chunk.request.prompt_token_ids, chunk.request.sampling_params.prompt_logprobs
+                for position in range(chunk.start, min(chunk.end, len(prompt) - 1)):
+                    row = cursor + position - chunk.start
+                    if tracked.prompt_logprobs[position + 1] is None:
+                        tracked.prompt_logprobs[position + 1] = self._logprobs_dict(
+                            prompt[position + 1], float(sampled["prompt_logprobs"][row]),
+                            int(sampled["prompt_ranks"][row]), k, sampled["prompt_top_ids"][row],
+                            sampled["prompt_top_logprobs"][row])
+            cursor += chunk.num_tokens
+
+    def _logprobs_dict(self, token: int, logprob: float, rank: int, k: int, top_ids, top_logprobs) -> LogprobsDict:
+        """vLLM's shape: the actual token first, then the top ``k`` (ranks 1..k)."""
+        entries = {token: Logprob(logprob, rank, self._decode_token(token))}
+        for rank_in_top, (top, value) in enumerate(zip(top_ids[:k], top_logprobs[:k]), start=1):
+            entries.setdefault(int(top), Logprob(float(value), rank_in_top, self._decode_token(int(top))))
+        return entries
+
+    def _decode_token(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     def _finish_reason(self, tracked: _Tracked, token: int, delta_len: int) -> str | None:
         request, params = tracked.request, tracked.request.sampling_params
@@ -260,7 +347,7 @@ class LLMEngine:
             finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
         return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
-                             delta_text=delta)
+                             delta_text=delta, prompt_logprobs=tracked.prompt_logprobs)
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> dict:

@@ -103,7 +103,7 @@ class PageAllocator:
         ``num_tokens - 1`` tokens may hit, so at least one token is left to compute: the step
         needs it to produce logits, and it keeps every write out of shared pages.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return []
         tokens = request.all_token_ids
         max_hit_pages = (len(tokens) - 1) // self.page_size

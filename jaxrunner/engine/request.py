@@ -47,7 +47,9 @@ class Request:
     # Output cap the scheduler sizes the request by: sampling_params.max_tokens unless the engine
     # lowers it (e.g. to what is left of max_model_len after the prompt).
     max_tokens: int | None = None
-    seed: int | None = None  # the sampler's seed for this request, chosen by the engine
+    seed: int | None = None  # the sampler's 64-bit seed for this request, chosen by the engine
+    # SamplingParams.bad_words as token sequences (the engine tokenizes them, as vLLM does).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Tokens sampled by a step still on the device: counted in num_tokens, not yet in
     # output_token_ids (the next step reads them on the device). At most one under async scheduling.
     num_pending_outputs: int = 0
@@ -57,6 +59,18 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if self.max_tokens is None:
             self.max_tokens = self.sampling_params.max_tokens
+
+    @property
+    def needs_host_history(self) -> bool:
+        """Whether sampling this request's next token reads its past tokens on the host: penalties,
+        and bad words of several tokens (their prefix is matched against the output). Such requests
+        take the synchronous path: async scheduling waits for the step in flight."""
+        return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt token computed, so (as in vLLM) no cache hit."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -79,11 +79,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos.reshape(shape) + rotated * sin.reshape(shape)
 
 
-def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention, rows=None):
-    """q, k and v stay float32 from the projection through RoPE (16-bit models too): rounding them
+def _attend(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
+    """The attention half of a layer up to (not including) the output projection: returns the
+    attention output [T, Hq*Dh] and the new layer cache.
+
+    q, k and v stay float32 from the projection through RoPE (16-bit models too): rounding them
     to bf16 first cost XLA:CPU a convert round trip per elementwise op (~5 ms of a 117 ms bf16
-    prefill); the attention callable casts them to its cache's dtype. With ``rows``, only those
-    rows go on through the output projection (every row's K/V is still written)."""
+    prefill); the attention callable casts them to its cache's dtype."""
     tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
     qkv = linear_f32(h, layer["wqkv"])
@@ -97,10 +99,30 @@ def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, at
     v = qkv[:, :, group + 1]
     out, layer_cache = attention(q, k, v, layer_cache, meta, sm_scale=cfg.head_dim ** -0.5,
                                  sliding_window=cfg.sliding_window)
-    out = out.reshape(tokens, cfg.q_size)
-    if rows is not None:
-        x, out = jnp.take(x, rows, axis=0), jnp.take(out, rows, axis=0)
-    return x + linear(out.astype(x.dtype), layer["wo"]), layer_cache
+    return out.reshape(tokens, cfg.q_size), layer_cache
+
+
+def _layer_tail(layer, x, attended, cfg: ModelConfig):
+    """The rest of a layer: output projection and residual, then the MLP."""
+    return _mlp_block(layer, x + linear(attended.astype(x.dtype), layer["wo"]), cfg)
+
+
+def _last_layer_tail(layer, x, attended, cfg: ModelConfig, rows, all_rows):
+    """The last layer's tail on the sampled ``rows`` only; with ``all_rows`` (a traced bool), on
+    every row when it holds, returning those hidden states too (zeros when it does not)."""
+    def sampled_only(operands):
+        x, attended = operands
+        return _layer_tail(layer, jnp.take(x, rows, axis=0), jnp.take(attended, rows, axis=0), cfg)
+
+    if all_rows is None:
+        return sampled_only((x, attended)), None
+
+    def every_row(operands):
+        full = _layer_tail(layer, *operands, cfg)
+        return jnp.take(full, rows, axis=0), full
+
+    return jax.lax.cond(all_rows, every_row, lambda ops: (sampled_only(ops), jnp.zeros_like(ops[0])),
+                        (x, attended))
 
 
 def _mlp_block(layer, x, cfg: ModelConfig):
@@ -112,24 +134,34 @@ def _mlp_block(layer, x, cfg: ModelConfig):
     return x + linear((jax.nn.silu(gate) * up).astype(x.dtype), layer["w_down"])
 
 
-def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None):
+def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None):
     """Run the decoder on packed tokens [T]; returns final hidden states and the new cache.
 
     ``kv_cache`` is a list with one entry per layer (whatever the attention callable keeps there;
     ``None`` entries for cache-free attention). ``rows`` [N]: return only these rows' hidden states
     ([N, D]; default all [T, D]). The last layer then runs its output projection and MLP on those
     rows alone — a prefill chunk samples one row of hundreds, and that is ~3 % of its matmuls.
+
+    ``all_rows`` (a traced bool, with ``rows``): when it holds, the last layer also runs on every
+    row, and a third result holds all rows' final hidden states [T, D] (zeros when it does not) —
+    what prompt logprobs need, paid only by the steps that ask for them.
     """
     x = jnp.take(params["embed"], token_ids, axis=0)
     cos, sin = rope_tables(cfg, positions)
     new_cache = []
     last = len(params["layers"]) - 1
+    every_row = None
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        x, layer_cache = _attention_block(layer, x, cos, sin, layer_cache, meta, cfg, attention,
-                                          rows if i == last else None)
-        x = _mlp_block(layer, x, cfg)
+        attended, layer_cache = _attend(layer, x, cos, sin, layer_cache, meta, cfg, attention)
+        if i == last and rows is not None:
+            x, every_row = _last_layer_tail(layer, x, attended, cfg, rows, all_rows)
+        else:
+            x = _layer_tail(layer, x, attended, cfg)
         new_cache.append(layer_cache)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if all_rows is None or rows is None:
+        return hidden, new_cache
+    return hidden, new_cache, rms_norm(every_row, params["final_norm"], cfg.rms_norm_eps)
 
 
 def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -4,6 +4,10 @@ The batch is the only thing the jitted step sees. Padding is inert by constructi
 write their K/V into the scratch page, padded sequences have no query rows and ``kv_len`` 0, and
 page-table entries past a sequence's pages point at the scratch page.
 
+Per-row token-id options (banned tokens, ``allowed_token_ids``, ``logit_bias``) are fixed-width
+arrays padded with ``NO_TOKEN``; their widths below are the caps ``LLMEngine.check_sampling_params``
+enforces, so a request that would not fit is refused when it is added, never cut here.
+
 Async scheduling: a token sampled by the step still on the device is not known here. Its slot in
 ``token_ids`` holds 0 and ``feed_rows`` names the row of the previous step's sampled tokens that the
 jitted step reads instead (-1 everywhere else).
@@ -13,10 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrunner.runner.buckets import Bucket
-from jaxrunner.runner.sampler import NO_TOKEN
+from jaxrunner.runner.sampler import NO_LOGPROBS, NO_TOKEN
 
 SCRATCH_PAGE = 0
-MAX_BANNED_TOKENS = 16  # EOS + stop_token_ids suppressed while min_tokens is not reached
+# Banned per row and step: EOS + stop_token_ids while min_tokens is not reached, and the last
+# token of each bad word whose other tokens end the output.
+MAX_BANNED_TOKENS = 64
+MAX_LOGIT_BIAS = 64          # logit_bias entries per request
+MAX_ALLOWED_TOKEN_IDS = 128  # allowed_token_ids per request
 NO_FEED = -1            # feed_rows entry of a token known on the host
 
 
@@ -33,6 +41,7 @@ def empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
         "kv_lens": np.zeros(s, np.int32),
         "num_seqs": np.zeros((), np.int32),
         "logits_indices": np.zeros(s, np.int32),
+        "prompt_targets": np.full(t, NO_TOKEN, np.int32),  # next prompt token, for prompt logprobs
         "sampling": {
             "temperature": np.zeros(s, np.float32),
             "top_k": np.zeros(s, np.int32),
@@ -41,12 +50,16 @@ def empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
             "repetition_penalty": np.ones(s, np.float32),
             "presence_penalty": np.zeros(s, np.float32),
             "frequency_penalty": np.zeros(s, np.float32),
-            "seeds": np.zeros(s, np.uint32),
+            "seeds": np.zeros(s, np.uint32),       # low half of the 64-bit seed
+            "seeds_high": np.zeros(s, np.uint32),  # high half
             "positions": np.zeros(s, np.int32),
             "history": np.full((s, w * page_size), NO_TOKEN, np.int32),
             "prompt_lens": np.zeros(s, np.int32),
             "banned": np.full((s, MAX_BANNED_TOKENS), NO_TOKEN, np.int32),
-            "num_logprobs": np.zeros(s, np.int32),
+            "allowed_token_ids": np.full((s, MAX_ALLOWED_TOKEN_IDS), NO_TOKEN, np.int32),
+            "logit_bias_ids": np.full((s, MAX_LOGIT_BIAS), NO_TOKEN, np.int32),
+            "logit_bias_values": np.zeros((s, MAX_LOGIT_BIAS), np.float32),
+            "num_logprobs": np.full(s, NO_LOGPROBS, np.int32),
         },
     }
 
@@ -60,22 +73,53 @@ def _fill_sampling(sampling: dict, row: int, request, eos_token_ids) -> None:
     sampling["repetition_penalty"][row] = sp.repetition_penalty
     sampling["presence_penalty"][row] = sp.presence_penalty
     sampling["frequency_penalty"][row] = sp.frequency_penalty
-    sampling["seeds"][row] = request.seed % (1 << 32)
+    sampling["seeds"][row] = request.seed & 0xFFFFFFFF
+    sampling["seeds_high"][row] = request.seed >> 32
     sampling["positions"][row] = request.num_tokens
     sampling["prompt_lens"][row] = request.num_prompt_tokens
-    sampling["num_logprobs"][row] = sp.logprobs or 0
+    sampling["num_logprobs"][row] = NO_LOGPROBS if sp.logprobs is None else sp.logprobs
+    if request.needs_host_history and request.num_pending_outputs:
+        raise RuntimeError(f"request {request.request_id!r}: penalties and bad words need every past token on "
+                           "the host, but one is still on the device (async scheduling must wait for it)")
     if sp.uses_penalties:
-        if request.num_pending_outputs:
-            raise RuntimeError(f"request {request.request_id!r}: penalties need every past token on the host, "
-                               "but one is still on the device (async scheduling must wait for it)")
         history = request.all_token_ids
         sampling["history"][row, :len(history)] = history
+    banned = banned_tokens(request, eos_token_ids)
+    sampling["banned"][row, :len(banned)] = banned
+    if sp.allowed_token_ids:
+        sampling["allowed_token_ids"][row, :len(sp.allowed_token_ids)] = sp.allowed_token_ids
+    if sp.logit_bias:
+        sampling["logit_bias_ids"][row, :len(sp.logit_bias)] = list(sp.logit_bias)
+        sampling["logit_bias_values"][row, :len(sp.logit_bias)] = list(sp.logit_bias.values())
+
+
+def banned_tokens(request, eos_token_ids) -> list[int]:
+    """Tokens the request may not sample next: EOS and stop ids before ``min_tokens``, and, as in
+    vLLM, the last token of each bad word whose other tokens are the end of the output so far
+    (a one-token bad word is always banned)."""
+    sp = request.sampling_params
+    banned = set()
     if request.num_expected_outputs < sp.min_tokens:
-        banned = list(sp.stop_token_ids or [])
+        banned.update(sp.stop_token_ids or ())
         if not sp.ignore_eos:
-            banned += list(eos_token_ids)
-        banned = banned[:MAX_BANNED_TOKENS]
-        sampling["banned"][row, :len(banned)] = banned
+            banned.update(eos_token_ids)
+    outputs = request.output_token_ids
+    for word in request.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(outputs) and outputs[len(outputs) - len(prefix):] == prefix:
+            banned.add(word[-1])
+    if len(banned) > MAX_BANNED_TOKENS:  # check_sampling_params keeps requests under it
+        raise RuntimeError(f"request {request.request_id!r}: {len(banned)} banned tokens, at most "
+                           f"{MAX_BANNED_TOKENS} fit")
+    return sorted(banned)
+
+
+def _fill_prompt_targets(batch: dict, cursor: int, request, start: int, count: int) -> None:
+    """For prompt logprobs: each row of a prompt position p gets the prompt token at p + 1."""
+    prompt = request.prompt_token_ids
+    stop = min(start + count, len(prompt) - 1)
+    if request.sampling_params.prompt_logprobs is not None and start < stop:
+        batch["prompt_targets"][cursor:cursor + stop - start] = prompt[start + 1:stop + 1]
 
 
 def _fill_tokens(batch: dict, cursor: int, request, start: int, count: int, feed_rows) -> None:
@@ -109,6 +153,7 @@ def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
         positions = np.arange(start, stop, dtype=np.int32)
         pages = np.asarray(request.page_ids, np.int32)
         _fill_tokens(batch, cursor, request, start, count, feed_rows)
+        _fill_prompt_targets(batch, cursor, request, start, count)
         batch["positions"][cursor:cursor + count] = positions
         batch["slot_mapping"][cursor:cursor + count] = pages[positions // page_size] * page_size + positions % page_size
         batch["page_indices"][row, :len(pages)] = pages

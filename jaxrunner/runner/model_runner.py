@@ -32,13 +32,24 @@ def model_step(params, kv_cache, batch, feed, *, cfg: ModelConfig, attention):
 
     Token slots with ``feed_rows >= 0`` take their id from ``feed`` (the previous step's sampled
     tokens); the returned feed holds this step's, padded to the same fixed length.
+
+    Prompt logprobs: rows whose ``prompt_targets`` name a token (the next prompt token) get its
+    logprob, rank and the top logprobs. Only a batch with such a row runs the last layer on every
+    row and the vocabulary projection over them (``lax.cond``); others get zeros.
     """
     fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
     token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
-    hidden, kv_cache = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch, attention,
-                                     rows=batch["logits_indices"])
+    targets = batch["prompt_targets"]
+    wants_prompt_logprobs = jnp.any(targets >= 0)
+    hidden, kv_cache, every_row = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch,
+                                                attention, rows=batch["logits_indices"],
+                                                all_rows=wants_prompt_logprobs)
     logits = llama.compute_logits(params, cfg, hidden)
     sampled = sampler.sample(logits, batch["sampling"])
+    logits_of = functools.partial(llama.compute_logits, params, cfg)
+    sampled.update(jax.lax.cond(wants_prompt_logprobs,
+                                lambda h: sampler.prompt_logprobs(logits_of, h, targets),
+                                lambda h: sampler.empty_prompt_logprobs(h.shape[0]), every_row))
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), sampled["tokens"].astype(feed.dtype), (0,))
     return sampled, next_feed, kv_cache
 
@@ -163,9 +174,14 @@ class ModelRunner:
         return sampled
 
     @staticmethod
-    def fetch(sampled) -> dict[str, np.ndarray]:
+    def fetch(sampled, prompt_logprobs: bool = True) -> dict[str, np.ndarray]:
         """Device outputs of ``dispatch`` -> numpy. They are replicated, so every process reads its
-        own copy (under ``jax.distributed`` the mesh spans devices this process cannot address)."""
+        own copy (under ``jax.distributed`` the mesh spans devices this process cannot address).
+
+        ``prompt_logprobs=False`` leaves the per-token prompt outputs on the device (a step whose
+        batch asked for none: they are zeros)."""
+        if not prompt_logprobs:
+            sampled = {name: x for name, x in sampled.items() if not name.startswith("prompt_")}
         if all(x.is_fully_addressable for x in sampled.values()):
             return jax.device_get(sampled)
         return {name: np.asarray(x.addressable_data(0)) for name, x in sampled.items()}

@@ -1,12 +1,19 @@
-"""On-device sampling for one step: penalties, temperature, top-k / top-p / min-p, logprobs.
+"""On-device sampling for one step: allowed tokens, logit bias, bans, penalties, temperature,
+top-k / top-p / min-p, logprobs with ranks; and the logprobs of prompt tokens.
 
 Every row carries its own parameters, so greedy and sampled requests share one executable. The
 expensive parts (penalty counts, the vocabulary sort behind top-k/top-p, Gumbel noise, top
 logprobs) sit behind ``lax.cond`` on whether *any* row needs them: a greedy batch never pays for
 them, and warm-up must feed random sampling parameters so that every branch is compiled and run.
 
-Randomness: a row's key is ``fold_in(key(seed), position)`` — the request's seed and the position of
-the token being sampled — so a seeded request samples the same tokens whatever else is batched.
+Order, as vLLM applies them: ``allowed_token_ids`` mask, ``logit_bias``, banned tokens (EOS and
+stop ids under ``min_tokens``, the last token of a bad word), penalties, then temperature and the
+filters. Token-id options travel as fixed-width per-row arrays padded with ``NO_TOKEN`` (widths in
+``runner.batch``), so one executable serves every mix of them.
+
+Randomness: a row's key is ``fold_in(fold_in(key(seed_low), seed_high), position)`` — the request's
+64-bit seed and the position of the token being sampled — so a seeded request samples the same
+tokens whatever else is batched.
 Each row needs one uniform number (inverse-CDF sampling), not one per vocabulary entry.
 """
 from __future__ import annotations
@@ -16,6 +23,7 @@ import jax.numpy as jnp
 
 MAX_LOGPROBS = 20  # like vLLM's default max_logprobs: top-k logprobs returned per token, k <= this
 NO_TOKEN = -1      # padding in token-id arrays (history, banned tokens)
+NO_LOGPROBS = -1   # num_logprobs of a row that asks for none (0 asks for the sampled token's only)
 
 
 def _apply_penalties(logits, history, prompt_lens, rep, presence, frequency):
@@ -80,12 +88,12 @@ def _filter_top_k_top_p_min_p(logits, top_k, top_p, min_p):
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
 
-def _row_uniforms(seeds, positions):
-    def one(seed, position):
-        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
-        return jax.random.uniform(key, (), jnp.float32)
+def _row_uniforms(seeds, seeds_high, positions):
+    def one(seed, seed_high, position):
+        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), seed_high.astype(jnp.uint32))
+        return jax.random.uniform(jax.random.fold_in(key, position), (), jnp.float32)
 
-    return jax.vmap(one)(seeds, positions)
+    return jax.vmap(one)(seeds, seeds_high, positions)
 
 
 def _inverse_cdf_sample(logits, uniforms):
@@ -140,9 +148,26 @@ def first_argmax(x):
     return (block * size + jnp.minimum(offset, size - 1)).astype(jnp.int32)
 
 
+def _row_index(ids):
+    return jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+
+
 def _ban_tokens(logits, banned):
-    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], banned.shape)
-    return logits.at[rows, jnp.where(banned >= 0, banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
+    return logits.at[_row_index(banned), jnp.where(banned >= 0, banned, 0)].min(
+        jnp.where(banned >= 0, -jnp.inf, jnp.inf))
+
+
+def _keep_allowed(logits, allowed):
+    """Rows with any allowed id keep only those ids' logits; rows without keep all."""
+    valid = allowed >= 0
+    mask = jnp.zeros(logits.shape, jnp.bool_).at[_row_index(allowed), jnp.where(valid, allowed, 0)].max(valid)
+    restricted = jnp.any(valid, axis=-1, keepdims=True)
+    return jnp.where(restricted & ~mask, -jnp.inf, logits)
+
+
+def _add_logit_bias(logits, ids, values):
+    valid = ids >= 0
+    return logits.at[_row_index(ids), jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
 
 
 def _draw(logits, params, is_sampled):
@@ -154,7 +179,7 @@ def _draw(logits, params, is_sampled):
     scaled = logits / jnp.where(is_sampled, params["temperature"], 1.0)[:, None]
     scaled = _maybe(jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)),
                     lambda x: _filter_top_k_top_p_min_p(x, top_k, top_p, min_p), scaled)
-    return _inverse_cdf_sample(scaled, _row_uniforms(params["seeds"], params["positions"]))
+    return _inverse_cdf_sample(scaled, _row_uniforms(params["seeds"], params["seeds_high"], params["positions"]))
 
 
 def _maybe(flag, fn, x):
@@ -163,24 +188,48 @@ def _maybe(flag, fn, x):
     return jax.lax.cond(flag, fn, lambda y: y, x)
 
 
-def sample(logits, params):
-    """Sample one token per row. ``params`` is the sampling part of the step batch (all [S] arrays
-    unless noted): temperature, top_k, top_p, min_p, repetition/presence/frequency penalties,
-    seeds, positions, history [S, H], prompt_lens, banned [S, B], num_logprobs.
-
-    Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
-    reports them by default.
-    """
-    raw = logits
-    log_normalizer = jax.nn.logsumexp(raw, axis=-1)
+def _process_logits(logits, params):
+    """Allowed tokens, logit bias, bans, penalties: each only in batches where some row uses it."""
+    allowed = params["allowed_token_ids"]
+    logits = _maybe(jnp.any(allowed >= 0), lambda l: _keep_allowed(l, allowed), logits)
+    bias_ids, bias_values = params["logit_bias_ids"], params["logit_bias_values"]
+    logits = _maybe(jnp.any(bias_ids >= 0), lambda l: _add_logit_bias(l, bias_ids, bias_values), logits)
     banned = params["banned"]
     logits = _maybe(jnp.any(banned >= 0), lambda l: _ban_tokens(l, banned), logits)
     needs_penalty = (params["repetition_penalty"] != 1.0) | (params["presence_penalty"] != 0.0) | (
         params["frequency_penalty"] != 0.0)
-    logits = _maybe(jnp.any(needs_penalty),
-                    lambda l: _apply_penalties(l, params["history"], params["prompt_lens"],
-                                               params["repetition_penalty"], params["presence_penalty"],
-                                               params["frequency_penalty"]), logits)
+    return _maybe(jnp.any(needs_penalty),
+                  lambda l: _apply_penalties(l, params["history"], params["prompt_lens"],
+                                             params["repetition_penalty"], params["presence_penalty"],
+                                             params["frequency_penalty"]), logits)
+
+
+def _ranks(raw, chosen):
+    """vLLM's rank of each row's chosen token in the raw distribution: 1 + the tokens strictly
+    more likely (one compare and a count over the vocabulary)."""
+    chosen_logit = jnp.take_along_axis(raw, chosen[:, None], axis=-1)
+    return (jnp.sum(raw > chosen_logit, axis=-1) + 1).astype(jnp.int32)
+
+
+def _top_logprobs(raw, log_normalizer):
+    values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+    return values - log_normalizer[:, None], ids.astype(jnp.int32)
+
+
+def sample(logits, params):
+    """Sample one token per row. ``params`` is the sampling part of the step batch (all [S] arrays
+    unless noted): temperature, top_k, top_p, min_p, repetition/presence/frequency penalties,
+    seeds and seeds_high (the two halves of the 64-bit seed), positions, history [S, H],
+    prompt_lens, banned [S, B], allowed_token_ids [S, A], logit_bias_ids / logit_bias_values
+    [S, L], num_logprobs (``NO_LOGPROBS`` or k).
+
+    Logprobs are those of the raw model distribution (before bias, bans, penalties and
+    temperature), as vLLM reports them by default. ``ranks`` and the top logprobs are computed only
+    in batches where some row asks for logprobs (zeros otherwise).
+    """
+    raw = logits
+    log_normalizer = jax.nn.logsumexp(raw, axis=-1)
+    logits = _process_logits(logits, params)
     greedy_tokens = first_argmax(logits)
     is_sampled = params["temperature"] > 0.0
     # A greedy batch skips temperature, filters and the draw entirely: even `logits / 1` over the
@@ -190,10 +239,48 @@ def sample(logits, params):
     tokens = jnp.where(is_sampled, drawn, greedy_tokens)
     token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_normalizer
 
-    def top_logprobs(x):
-        values, ids = jax.lax.top_k(x, MAX_LOGPROBS)
-        return values - log_normalizer[:, None], ids.astype(jnp.int32)
+    def logprob_details(x):
+        return (_ranks(x, tokens),) + _top_logprobs(x, log_normalizer)
 
-    empty = (jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.float32), jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.int32))
-    top_values, top_ids = jax.lax.cond(jnp.any(params["num_logprobs"] > 0), top_logprobs, lambda x: empty, raw)
-    return {"tokens": tokens, "logprobs": token_logprobs, "top_ids": top_ids, "top_logprobs": top_values}
+    rows = raw.shape[0]
+    empty = (jnp.zeros(rows, jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+             jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
+    ranks, top_values, top_ids = jax.lax.cond(jnp.any(params["num_logprobs"] >= 0), logprob_details,
+                                              lambda x: empty, raw)
+    return {"tokens": tokens, "logprobs": token_logprobs, "ranks": ranks, "top_ids": top_ids,
+            "top_logprobs": top_values}
+
+
+PROMPT_LOGPROB_BLOCK = 128  # prompt rows whose [rows, vocab] logits are alive at once
+
+
+def prompt_logprobs(logits_of, hidden, targets):
+    """For each token row, the logprob and rank of ``targets`` (the next prompt token; ``NO_TOKEN``
+    rows are skipped) and the top ``MAX_LOGPROBS``, from ``logits_of(hidden rows) -> [N, V]``.
+
+    Rows go through in blocks so that at most ``PROMPT_LOGPROB_BLOCK`` rows of logits exist at once.
+    """
+    tokens = hidden.shape[0]
+    block = max(b for b in range(1, min(tokens, PROMPT_LOGPROB_BLOCK) + 1) if tokens % b == 0)
+
+    def one_block(args):
+        rows, row_targets = args
+        raw = logits_of(rows)
+        log_normalizer = jax.nn.logsumexp(raw, axis=-1)
+        chosen = jnp.maximum(row_targets, 0)
+        logprob = jnp.take_along_axis(raw, chosen[:, None], axis=-1)[:, 0] - log_normalizer
+        top_values, top_ids = _top_logprobs(raw, log_normalizer)
+        return logprob, _ranks(raw, chosen), top_values, top_ids
+
+    blocks = (hidden.reshape(tokens // block, block, hidden.shape[-1]), targets.reshape(tokens // block, block))
+    logprob, ranks, top_values, top_ids = jax.lax.map(one_block, blocks)
+    return {"prompt_logprobs": logprob.reshape(tokens), "prompt_ranks": ranks.reshape(tokens),
+            "prompt_top_logprobs": top_values.reshape(tokens, MAX_LOGPROBS),
+            "prompt_top_ids": top_ids.reshape(tokens, MAX_LOGPROBS)}
+
+
+def empty_prompt_logprobs(tokens: int):
+    """What ``prompt_logprobs`` returns, as zeros: the branch of batches that want none."""
+    return {"prompt_logprobs": jnp.zeros(tokens, jnp.float32), "prompt_ranks": jnp.zeros(tokens, jnp.int32),
+            "prompt_top_logprobs": jnp.zeros((tokens, MAX_LOGPROBS), jnp.float32),
+            "prompt_top_ids": jnp.zeros((tokens, MAX_LOGPROBS), jnp.int32)}

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner import kernels
-from jaxrunner.runner.batch import MAX_BANNED_TOKENS, SCRATCH_PAGE, empty_batch
+from jaxrunner.runner.batch import (MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, SCRATCH_PAGE,
+                                    empty_batch)
 from jaxrunner.runner.buckets import Bucket
 
 CPU_DEFAULT_KV_FRACTION = 0.25   # of available host RAM, when no accelerator reports its memory
@@ -55,6 +56,7 @@ def _fill_random_sampling(rng: np.random.Generator, sampling: dict, num_seqs: in
     rows = slice(0, num_seqs)
     sampling["temperature"][rows] = np.where(rng.random(num_seqs) < 0.5, 0.0, rng.uniform(0.3, 1.5, num_seqs))
     sampling["seeds"][rows] = rng.integers(0, 2**32, num_seqs, dtype=np.uint64).astype(np.uint32)
+    sampling["seeds_high"][rows] = rng.integers(0, 2**32, num_seqs, dtype=np.uint64).astype(np.uint32)
     if on():
         sampling["top_k"][rows] = rng.integers(0, 64, num_seqs)
         sampling["top_p"][rows] = rng.uniform(0.3, 1.0, num_seqs)
@@ -68,7 +70,15 @@ def _fill_random_sampling(rng: np.random.Generator, sampling: dict, num_seqs: in
     if on():
         sampling["banned"][rows, : MAX_BANNED_TOKENS // 2] = rng.integers(0, vocab, (num_seqs, MAX_BANNED_TOKENS // 2))
     if on():
-        sampling["num_logprobs"][rows] = rng.integers(0, 21, num_seqs)
+        sampling["num_logprobs"][rows] = rng.integers(-1, 21, num_seqs)
+    if on():  # some rows restricted to a few tokens, the others free
+        restricted = np.flatnonzero(rng.random(num_seqs) < 0.5)
+        width = int(rng.integers(1, MAX_ALLOWED_TOKEN_IDS + 1))
+        sampling["allowed_token_ids"][restricted, :width] = rng.integers(0, vocab, (len(restricted), width))
+    if on():
+        width = int(rng.integers(1, MAX_LOGIT_BIAS + 1))
+        sampling["logit_bias_ids"][rows, :width] = rng.integers(0, vocab, (num_seqs, width))
+        sampling["logit_bias_values"][rows, :width] = rng.uniform(-100, 100, (num_seqs, width))
 
 
 def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
@@ -104,6 +114,9 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     fed = rng.random(cursor) < 0.25
     batch["feed_rows"][:cursor] = np.where(fed, rng.integers(0, bucket.num_seqs, cursor), -1)
     _fill_random_sampling(rng, batch["sampling"], num_seqs, vocab_size)
+    if rng.random() < 0.5:  # prompt logprobs for some rows (the next prompt token's id)
+        wanted = rng.random(cursor) < 0.5
+        batch["prompt_targets"][:cursor] = np.where(wanted, rng.integers(0, vocab_size, cursor), -1)
     return batch
 
 
