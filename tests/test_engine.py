@@ -114,7 +114,8 @@ def test_stop_conditions_and_logprobs(llm, prompts, alone):
     assert len(with_logprobs.logprobs) == len(with_logprobs.token_ids)
     for token, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs):
         assert token in entry and len(entry) <= 4
-        assert entry[token] == pytest.approx(max(entry.values()))  # greedy picks the most likely
+        assert entry[token].logprob == pytest.approx(max(e.logprob for e in entry.values()))  # greedy: the best
+        assert entry[token].rank == 1
 
 
 def test_stop_string_trims_text(llm):

@@ -110,3 +110,121 @@ def test_two_level_argmax_is_numpys_first_argmax(vocab):
     x[4, -1] = 50                       # the very last token
     got = np.asarray(jax.jit(sampler.first_argmax)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, x.argmax(axis=-1))
+
+
+# ----------------------------------------------------------------------------- token-id options
+def numpy_process(logits, allowed, bias_ids, bias_values, banned):
+    """vLLM's order written plainly: allowed-token mask, logit bias, banned tokens."""
+    out = logits.astype(np.float64).copy()
+    for r in range(len(out)):
+        ids = [t for t in allowed[r] if t >= 0]
+        if ids:
+            keep = np.zeros(out.shape[1], bool)
+            keep[ids] = True
+            out[r, ~keep] = -np.inf
+        for t, v in zip(bias_ids[r], bias_values[r]):
+            if t >= 0:
+                out[r, t] += v
+        out[r, [t for t in banned[r] if t >= 0]] = -np.inf
+    return out
+
+
+def _token_options(rows: int, vocab: int, rng):
+    params = _sampling(rows)
+    for r in range(rows):
+        if r % 2:  # odd rows restricted, even rows free
+            ids = rng.choice(vocab, 6, replace=False)
+            params["allowed_token_ids"][r, :6] = ids
+        if r % 3:
+            ids = rng.choice(vocab, 4, replace=False)
+            params["logit_bias_ids"][r, :4] = ids
+            params["logit_bias_values"][r, :4] = rng.uniform(-5, 5, 4)
+        if r % 4 == 1:
+            params["banned"][r, :2] = params["allowed_token_ids"][r, :2]  # some allowed ids banned too
+    return params
+
+
+def test_allowed_bias_and_bans_match_numpy():
+    rng = np.random.default_rng(3)
+    rows, vocab = 8, 300
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 2
+    params = _token_options(rows, vocab, rng)
+    got = np.asarray(jax.jit(sampler._process_logits)(logits, params))
+    expected = numpy_process(logits, params["allowed_token_ids"], params["logit_bias_ids"],
+                             params["logit_bias_values"], params["banned"])
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_samples_follow_the_processed_logits(temperature):
+    rng = np.random.default_rng(4)
+    rows, vocab = 8, 300
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    params = _token_options(rows, vocab, rng)
+    params["temperature"][:] = temperature
+    params["seeds"][:] = np.arange(rows)
+    tokens = np.asarray(jax.jit(sampler.sample)(logits, params)["tokens"])
+    processed = numpy_process(logits, params["allowed_token_ids"], params["logit_bias_ids"],
+                              params["logit_bias_values"], params["banned"])
+    assert np.all(np.isfinite(processed[np.arange(rows), tokens]))  # never an excluded token
+    if temperature == 0:
+        np.testing.assert_array_equal(tokens, processed.argmax(axis=-1))
+
+
+def test_logit_bias_moves_the_draw():
+    logits = np.zeros((1, 50), np.float32)
+    params = _sampling(1, temperature=1.0)
+    params["logit_bias_ids"][0, :2] = [11, 12]
+    params["logit_bias_values"][0, :2] = [np.log(1000.0), -100.0]
+    draws = []
+    step = jax.jit(sampler.sample)
+    for seed in range(200):
+        params["seeds"][:] = seed
+        draws.append(int(step(logits, params)["tokens"][0]))
+    share = draws.count(11) / len(draws)
+    assert abs(share - 1000 / 1049) < 0.05 and 12 not in draws
+
+
+def test_ranks_and_logprobs_zero():
+    """num_logprobs=0 still gets the sampled token's rank (vLLM returns its logprob); a batch that
+    asks for none returns zeros."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((5, 200)).astype(np.float32)
+    params = _sampling(5, temperature=1.0, num_logprobs=0)
+    params["seeds"][:] = np.arange(5)
+    out = jax.jit(sampler.sample)(logits, params)
+    tokens = np.asarray(out["tokens"])
+    expected = 1 + (logits > logits[np.arange(5), tokens][:, None]).sum(axis=-1)
+    np.testing.assert_array_equal(out["ranks"], expected)
+    none = jax.jit(sampler.sample)(logits, _sampling(5, temperature=1.0))
+    assert not np.any(np.asarray(none["ranks"])) and not np.any(np.asarray(none["top_ids"]))
+
+
+def test_the_high_half_of_the_seed_changes_the_draw():
+    logits = np.zeros((64, 1000), np.float32)
+    params = _sampling(64, temperature=1.0, seeds=7)
+    params["positions"][:] = np.arange(64)
+    low_only = np.asarray(jax.jit(sampler.sample)(logits, params)["tokens"])
+    params["seeds_high"][:] = 1  # seed 7 + 2**32
+    high = np.asarray(jax.jit(sampler.sample)(logits, params)["tokens"])
+    assert np.mean(low_only == high) < 0.2
+
+
+def test_prompt_logprobs_match_numpy_log_softmax():
+    rng = np.random.default_rng(6)
+    tokens, width, vocab = 24, 16, 100
+    hidden = rng.standard_normal((tokens, width)).astype(np.float32)
+    weights = rng.standard_normal((width, vocab)).astype(np.float32)
+    targets = np.where(rng.random(tokens) < 0.7, rng.integers(0, vocab, tokens), -1).astype(np.int32)
+    got = jax.jit(lambda h, t: sampler.prompt_logprobs(lambda rows: rows @ weights, h, t))(hidden, targets)
+    logits = hidden.astype(np.float64) @ weights
+    logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    rows = np.flatnonzero(targets >= 0)
+    np.testing.assert_allclose(got["prompt_logprobs"][rows], logprobs[rows, targets[rows]], atol=1e-4)
+    ranks = 1 + (logits[rows] > logits[rows, targets[rows]][:, None]).sum(axis=-1)
+    np.testing.assert_array_equal(np.asarray(got["prompt_ranks"])[rows], ranks)
+    top = np.argsort(-logprobs, axis=-1)[:, :sampler.MAX_LOGPROBS]
+    np.testing.assert_array_equal(got["prompt_top_ids"], top)
+    np.testing.assert_allclose(got["prompt_top_logprobs"], np.take_along_axis(logprobs, top, -1), atol=1e-4)
