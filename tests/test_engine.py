@@ -163,7 +163,7 @@ def test_bad_input_is_rejected_and_serving_goes_on(llm, prompts, alone, prompt, 
 
 def test_sampling_params_validation_names_field():
     for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                          ({"top_k": 0}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:
+                          ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
 
@@ -189,9 +189,9 @@ def record_device_calls(engine) -> list[str]:
         calls.append("dispatch")
         return dispatch(*args)
 
-    def logged_fetch(*args):
+    def logged_fetch(*args, **kwargs):
         calls.append("fetch")
-        return fetch(*args)
+        return fetch(*args, **kwargs)
 
     runner.dispatch, runner.fetch = logged_dispatch, logged_fetch
     return calls
