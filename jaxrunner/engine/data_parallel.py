@@ -71,6 +71,10 @@ class DataParallelEngine:
                       replica_compile_s_total=[r.startup_report["compile_s_total"] for r in self.replicas])
         return report
 
+    def check_sampling_params(self, params) -> None:
+        """``LLMEngine.check_sampling_params``: every replica serves the same model."""
+        self.replicas[0].check_sampling_params(params)
+
     def add_request(self, request_id: str, prompt, sampling_params=None) -> None:
         """Queue on the least-loaded replica (fewest unfinished requests; ties to the lowest index)."""
         request_id = str(request_id)
