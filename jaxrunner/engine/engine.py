@@ -143,7 +143,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed)
         self.scheduler.add(request)
         self._tracked[request_id] = _Tracked(
-            request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop),
+            request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                                                  getattr(params, "include_stop_str_in_output", False)),
             max_tokens, [] if params.logprobs else None)
 
     def abort_request(self, request_id: str) -> None:
@@ -222,18 +223,17 @@ class LLMEngine:
         tracked = self._tracked[request.request_id]
         token = int(sampled["tokens"][row])
         request.append_output(token)
-        text_before = len(tracked.detokenizer.text)
-        tracked.detokenizer.append(token)
+        delta_len = tracked.detokenizer.append(token)
         logprob = float(sampled["logprobs"][row])
         tracked.cumulative_logprob += logprob
         if tracked.logprobs is not None:
             k = request.sampling_params.logprobs
             top = {int(t): float(v) for t, v in zip(sampled["top_ids"][row][:k], sampled["top_logprobs"][row][:k])}
             tracked.logprobs.append({token: logprob, **top})
-        reason = self._finish_reason(tracked, token, len(tracked.detokenizer.text) - text_before)
+        reason = self._finish_reason(tracked, token, delta_len)
         if reason is not None:
             self.scheduler.finish(request, reason)
-        output = self._output(tracked, tracked.detokenizer.text[text_before:])
+        output = self._output(tracked, tracked.detokenizer.take_delta(finished=reason is not None))
         if reason is not None:
             del self._tracked[request.request_id]
         return output
@@ -255,7 +255,7 @@ class LLMEngine:
     def _output(self, tracked: _Tracked, delta: str) -> RequestOutput:
         request = tracked.request
         completion = CompletionOutput(
-            index=0, text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
+            index=0, text=tracked.detokenizer.output_text, token_ids=list(request.output_token_ids),
             cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
             finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
         return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
