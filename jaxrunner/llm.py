@@ -21,8 +21,51 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         """``engine_options`` are EngineConfig's fields, e.g. ``dtype``, ``max_num_seqs``,
         ``tensor_parallel_size`` (devices splitting the model) and ``data_parallel_size`` (replicas)."""
-        self.engine = create_engine(EngineConfig(model=model, **engine_options))
+        self._attach(create_engine(EngineConfig(model=model, **engine_options)))
+
+    def _attach(self, engine) -> None:
+        self.engine = engine
         self._ids = itertools.count()
+
+    @classmethod
+    def from_params(cls, params, config, tokenizer=None, **engine_options) -> "LLM":
+        """Serve an in-memory params pytree (the leaves ``LLM.params`` returns) with no checkpoint.
+
+        ``config``: the model's HF config (a ``config.json`` dict or a ``transformers`` config);
+        ``tokenizer``: a tokenizer object, a directory to load one from, or None (prompts are then
+        given as ``{"prompt_token_ids": [...]}``). Arrays already on the engine's devices and
+        shardings are served in place, with no copy; others are copied device to device. The
+        dtype is the params' own (float32 or bfloat16)."""
+        from jaxrunner.parallel import mesh as meshes
+        from jaxrunner.runner import weights
+
+        if isinstance(tokenizer, str):
+            from jaxrunner.models.loading.hf import load_hf_tokenizer
+
+            tokenizer = load_hf_tokenizer(tokenizer)
+        dtype = weights.params_dtype(params)
+        if engine_options.setdefault("dtype", dtype) != dtype:
+            raise ValueError(f"dtype={engine_options['dtype']!r}: the params are {dtype}; cast them, or leave dtype out")
+        config_options = EngineConfig(model=weights.IN_MEMORY, **engine_options)
+        tp, dp = config_options.tensor_parallel_size, config_options.data_parallel_size
+        meshes.check_device_count(tp, dp)
+        first_row = meshes.replica_meshes(meshes.build_mesh(tp, dp))[0]
+        model = weights.model_from_params(params, config, tokenizer, first_row)
+        llm = cls.__new__(cls)
+        llm._attach(create_engine(config_options, model))
+        return llm
+
+    @property
+    def params(self):
+        """The params pytree being served: read it, change it, hand it to ``update_weights``."""
+        return self.engine.params
+
+    def update_weights(self, params, abort_in_flight: bool = False) -> None:
+        """Serve ``params`` from the next step on, compiling nothing (same leaves, shapes and dtypes
+        as ``LLM.params``; a mismatch is a ``ValueError`` naming the leaf, and the old weights stay).
+        Requests in flight continue on the new weights unless ``abort_in_flight``; the prefix cache
+        is emptied."""
+        self.engine.update_weights(params, abort_in_flight)
 
     @property
     def startup_report(self) -> dict:

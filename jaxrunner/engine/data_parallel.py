@@ -16,13 +16,15 @@ from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
+from jaxrunner.runner import weights
 
 
-def create_engine(config: EngineConfig):
-    """The engine a config asks for: one ``LLMEngine``, or a ``DataParallelEngine`` of several."""
+def create_engine(config: EngineConfig, model: LoadedModel | None = None):
+    """The engine a config asks for: one ``LLMEngine``, or a ``DataParallelEngine`` of several.
+    ``model``: already loaded (onto the first replica's mesh) instead of read from ``config.model``."""
     if config.data_parallel_size == 1:
-        return LLMEngine(config)
-    return DataParallelEngine(config)
+        return LLMEngine(config, model, None if model is None else model.mesh)
+    return DataParallelEngine(config, model)
 
 
 def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
@@ -36,7 +38,7 @@ def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
 class DataParallelEngine:
     """``data_parallel_size`` LLMEngines behind the engine API (add_request / step / abort)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         distributed.initialize_from_env()  # before any device is touched, as in LLMEngine
         meshes.check_device_count(tp, dp)
@@ -47,7 +49,8 @@ class DataParallelEngine:
         self.config = config
         self.mesh = meshes.build_mesh(tp, dp)
         rows = meshes.replica_meshes(self.mesh)
-        base = load_model(config.model, config.dtype, progress=config.progress, mesh=rows[0])
+        base = model if model is not None else load_model(config.model, config.dtype, progress=config.progress,
+                                                          mesh=rows[0])
         self.replicas = [LLMEngine(config, _on_mesh(base, row), row) for row in rows]
         self._replica_of: dict[str, LLMEngine] = {}
 
@@ -100,6 +103,19 @@ class DataParallelEngine:
             if output.finished:
                 self._replica_of.pop(output.request_id, None)
         return outputs
+
+    @property
+    def params(self):
+        return self.replicas[0].params
+
+    def update_weights(self, params, abort_in_flight: bool = False) -> None:
+        """Every replica serves ``params`` (see ``LLMEngine.update_weights``); all are checked first."""
+        for replica in self.replicas:
+            weights.check_like(params, replica.params)
+        for replica in self.replicas:
+            replica.update_weights(params, abort_in_flight)
+        if abort_in_flight:
+            self._replica_of.clear()
 
     def stats(self) -> dict:
         per_replica = [r.stats() for r in self.replicas]

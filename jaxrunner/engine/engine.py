@@ -33,6 +33,7 @@ from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner.batch import pack_step
+from jaxrunner.runner import weights
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
@@ -261,6 +262,33 @@ class LLMEngine:
         return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              delta_text=delta)
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def params(self):
+        """The params pytree being served (device arrays on the engine's mesh)."""
+        return self.runner.params
+
+    def update_weights(self, params, abort_in_flight: bool = False) -> None:
+        """Serve ``params`` from the next step on; same leaves, shapes and dtypes as ``self.params``.
+
+        Nothing compiles: the executables take the params as an argument. Leaves on other devices
+        or shardings are copied onto the engine's (device to device). Requests in flight continue
+        on the new weights with the KV they already have, unless ``abort_in_flight``. The prefix
+        cache is emptied: its KV was computed by the old weights. A mismatch raises ``ValueError``
+        naming the leaf, and the old weights stay in service.
+        """
+        if self.config.quantization is not None:
+            raise ValueError(f"update_weights: not supported with quantization={self.config.quantization!r} "
+                             "(the served leaves are quantized; start the engine unquantized)")
+        weights.check_like(params, self.runner.params)
+        placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.params))
+        if abort_in_flight:
+            for request_id in list(self._tracked):
+                self.abort_request(request_id)
+        self.runner.params = placed
+        self.model = dataclasses.replace(self.model, params=placed)
+        self.scheduler.invalidate_prefix_cache()
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> dict:
