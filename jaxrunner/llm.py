@@ -36,23 +36,47 @@ class LLM:
         given as ``{"prompt_token_ids": [...]}``). Arrays already on the engine's devices and
         shardings are served in place, with no copy; others are copied device to device. The
         dtype is the params' own (float32 or bfloat16)."""
+        from jaxrunner.runner import weights
+
+        return cls._in_memory(lambda mesh, tok: weights.model_from_params(params, config, tok, mesh),
+                              weights.params_dtype(params), tokenizer, engine_options)
+
+    @classmethod
+    def from_nnx(cls, module, tokenizer=None, **engine_options) -> "LLM":
+        """Serve a Flax NNX module that follows the protocol of ``jaxrunner.models.flax_nnx``
+        (``config``, ``embed``, ``layers`` called with the engine's ``attend``, ``norm``, ``logits``),
+        with the paged cache, kernels and warm-up of the built-in models. ``LLM.params`` is then the
+        module's ``nnx.State``."""
+        from flax import nnx
+
+        from jaxrunner.models.flax_nnx import check_protocol
+        from jaxrunner.runner import weights
+
+        check_protocol(module)
+        dtype = weights.params_dtype(nnx.state(module))
+        return cls._in_memory(lambda mesh, tok: weights.model_from_nnx(module, tok, mesh), dtype, tokenizer,
+                              engine_options)
+
+    @classmethod
+    def _in_memory(cls, build_model, dtype: str, tokenizer, engine_options: dict) -> "LLM":
+        """An LLM over a model built in memory by ``build_model(mesh of the first replica, tokenizer)``;
+        the engine options are checked before it is built."""
         from jaxrunner.parallel import mesh as meshes
         from jaxrunner.runner import weights
 
+        if engine_options.setdefault("dtype", dtype) != dtype:
+            raise ValueError(f"dtype={engine_options['dtype']!r}: the params are {dtype}; cast them, or leave dtype out")
+        config = EngineConfig(model=weights.IN_MEMORY, **engine_options)
+        meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
+        first_row = meshes.replica_meshes(meshes.build_mesh(config.tensor_parallel_size,
+                                                            config.data_parallel_size))[0]
         if isinstance(tokenizer, str):
             from jaxrunner.models.loading.hf import load_hf_tokenizer
 
             tokenizer = load_hf_tokenizer(tokenizer)
-        dtype = weights.params_dtype(params)
-        if engine_options.setdefault("dtype", dtype) != dtype:
-            raise ValueError(f"dtype={engine_options['dtype']!r}: the params are {dtype}; cast them, or leave dtype out")
-        config_options = EngineConfig(model=weights.IN_MEMORY, **engine_options)
-        tp, dp = config_options.tensor_parallel_size, config_options.data_parallel_size
-        meshes.check_device_count(tp, dp)
-        first_row = meshes.replica_meshes(meshes.build_mesh(tp, dp))[0]
-        model = weights.model_from_params(params, config, tokenizer, first_row)
+        model = build_model(first_row, tokenizer)
         llm = cls.__new__(cls)
-        llm._attach(create_engine(config_options, model))
+        llm._attach(create_engine(config, model))
         return llm
 
     @property

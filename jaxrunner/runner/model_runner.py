@@ -27,17 +27,19 @@ from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner import sampler
 
 
-def model_step(params, kv_cache, batch, feed, *, cfg: ModelConfig, attention):
+def model_step(params, kv_cache, batch, feed, *, architecture, attention):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
-    Token slots with ``feed_rows >= 0`` take their id from ``feed`` (the previous step's sampled
-    tokens); the returned feed holds this step's, padded to the same fixed length.
+    ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (the
+    built-in Llama family, or a user's Flax NNX module). Token slots with ``feed_rows >= 0`` take
+    their id from ``feed`` (the previous step's sampled tokens); the returned feed holds this
+    step's, padded to the same fixed length.
     """
     fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
     token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
-    hidden, kv_cache = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch, attention,
-                                     rows=batch["logits_indices"])
-    logits = llama.compute_logits(params, cfg, hidden)
+    hidden, kv_cache = architecture.forward(params, token_ids, batch["positions"], kv_cache, batch, attention,
+                                            rows=batch["logits_indices"])
+    logits = architecture.compute_logits(params, hidden)
     sampled = sampler.sample(logits, batch["sampling"])
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), sampled["tokens"].astype(feed.dtype), (0,))
     return sampled, next_feed, kv_cache
@@ -81,8 +83,9 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
-                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512):
-        """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed)."""
+                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None):
+        """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed);
+        ``architecture``: the model functions (default: the Llama family for ``cfg``)."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
@@ -94,7 +97,8 @@ class ModelRunner:
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool, pool)] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
-        step = functools.partial(model_step, cfg=cfg, attention=attention)
+        architecture = architecture if architecture is not None else llama.LlamaArchitecture(cfg)
+        step = functools.partial(model_step, architecture=architecture, attention=attention)
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
             self._jitted_step = jax.jit(step, donate_argnums=(1,))  # compile time (~10% measured)
         else:

@@ -8,6 +8,7 @@ would, or would compute garbage, so every leaf is checked first and a mismatch i
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def _leaves_by_path(tree) -> dict[str, object]:
 def check_like(params, reference, what: str = "params") -> None:
     """Raise ``ValueError`` naming the first leaf of ``params`` missing from, unknown to, or of
     another shape or dtype than ``reference`` (a pytree of arrays or ``jax.ShapeDtypeStruct``)."""
-    if not isinstance(params, dict):
+    if not isinstance(params, Mapping):
         raise ValueError(f"{what}: expected the params pytree (a dict, as LLM.params returns), "
                          f"got {type(params).__name__}")
     given, expected = _leaves_by_path(params), _leaves_by_path(reference)
@@ -95,3 +96,17 @@ def model_from_params(params, config, tokenizer, mesh) -> LoadedModel:
     placed = place_like(params, sharding.param_shardings(params, mesh, cfg))
     return LoadedModel(cfg, hf_config, placed, tokenizer, ModelSource("memory", IN_MEMORY), dtype,
                        time.perf_counter() - start, mesh)
+
+
+def model_from_nnx(module, tokenizer, mesh) -> LoadedModel:
+    """A ``LoadedModel`` over a Flax NNX module that follows ``models.flax_nnx``'s protocol."""
+    from jaxrunner.models.flax_nnx import split_module
+
+    start = time.perf_counter()
+    architecture, state = split_module(module)
+    if meshes.tensor_parallel_size(mesh) > 1:
+        raise ValueError("tensor_parallel_size: a Flax NNX module is served on one device per replica "
+                         "(its leaves have no partition rules); use 1, and data_parallel_size for more devices")
+    placed = place_like(state, sharding.param_shardings(state, mesh, architecture.cfg))
+    return LoadedModel(architecture.cfg, {}, placed, tokenizer, ModelSource("memory", IN_MEMORY),
+                       params_dtype(state), time.perf_counter() - start, mesh, architecture=architecture)
