@@ -140,3 +140,23 @@ def test_from_params_takes_host_arrays(llm, model_dir, prompts):
     served = LLM.from_params(host, read_hf_config(model_dir), tokenizer=load_hf_tokenizer(model_dir), **TINY_ENGINE)
     assert token_ids(served.generate(prompts[:2], GREEDY, use_tqdm=False)) == \
         token_ids(llm.generate(prompts[:2], GREEDY, use_tqdm=False))
+
+
+def test_rollout_logprobs_are_the_served_models(llm, prompts):
+    """The differentiable sequence log-probs used for training equal what the engine sampled with."""
+    from jaxrunner.rollouts import completion_logprob_sums, pad_rollouts, sequence_logprobs
+
+    outputs = llm.generate(prompts[:3], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    rollouts = pad_rollouts(outputs, length=64)
+    assert rollouts.tokens.shape == (6, 64) and list(rollouts.prompt_index) == [0, 0, 1, 1, 2, 2]
+    config = llm.engine.model.config
+    per_token = sequence_logprobs(llm.params, config, rollouts.tokens)
+    sums = completion_logprob_sums(llm.params, config, rollouts)
+    for row, completion in enumerate(c for o in outputs for c in o.outputs):
+        start = int(rollouts.prompt_lens[row])
+        got = per_token[row, start:start + len(completion.token_ids)]
+        assert float(sums[row]) == pytest.approx(completion.cumulative_logprob, abs=1e-3)
+        assert float(got.sum()) == pytest.approx(completion.cumulative_logprob, abs=1e-3)
+    grads = jax.grad(lambda p: completion_logprob_sums(p, config, rollouts).sum())(llm.params)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
