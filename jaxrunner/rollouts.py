@@ -10,6 +10,7 @@ model functions the engine serves (so the policy that is trained is the policy t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +21,17 @@ from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.config import ModelConfig
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "prompt_lens", "lengths", "prompt_index"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Rollouts:
-    """Every sample of every prompt, one row each, right-padded with 0 to a common length."""
+    """Every sample of every prompt, one row each, right-padded with 0 to a common length (a pytree:
+    it passes into jitted losses as it is)."""
 
     tokens: jax.Array        # [B, L] int32: prompt then completion
     prompt_lens: jax.Array   # [B] int32
     lengths: jax.Array       # [B] int32: prompt + completion
-    prompt_index: np.ndarray  # [B]: which output (prompt) each row came from
+    prompt_index: jax.Array  # [B] int32: which output (prompt) each row came from
 
     @property
     def completion_mask(self) -> jax.Array:
@@ -53,7 +57,7 @@ def pad_rollouts(outputs, length: int | None = None) -> Rollouts:
     for i, row in enumerate(rows):
         tokens[i, :len(row)] = row
     return Rollouts(jnp.asarray(tokens), jnp.asarray(prompt_lens, jnp.int32),
-                    jnp.asarray([len(row) for row in rows], jnp.int32), np.asarray(prompt_index))
+                    jnp.asarray([len(row) for row in rows], jnp.int32), jnp.asarray(prompt_index, jnp.int32))
 
 
 def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
