@@ -206,10 +206,12 @@ def cmd_info(args) -> int:
 def cmd_serve(args) -> int:
     from jaxrunner.config import EngineConfig
     from jaxrunner.entrypoints.openai.api_server import ServerConfig, run_server
+    from jaxrunner.models.loading.resolve import resolve_model
 
     model = args.model_tag or args.model
     options = _engine_options(args)
     EngineConfig(model=model, **options)  # every engine option is checked before the model loads
+    resolve_model(model)  # and the model exists
     if args.max_queue < 0:
         raise ValueError(f"--max-queue: {args.max_queue} must be >= 0")
     if not 0 < args.port < 65536:

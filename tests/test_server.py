@@ -238,10 +238,12 @@ def test_health_is_503_until_the_model_is_ready():
         assert "jaxrunner:num_requests_running" in http.get("/metrics").text
 
 
-def test_serve_checks_engine_options_before_loading():
-    proc = subprocess.run([sys.executable, "-m", "jaxrunner", "serve", "no-such-model-is-loaded",
-                           "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "max_num_seqs" in proc.stderr, proc.stderr
+@pytest.mark.parametrize("args, message", [(["no-such-model-is-loaded", "--max-num-seqs", "0"], "max_num_seqs"),
+                                           (["/no/such/model.gguf"], "model.gguf")])
+def test_serve_checks_options_and_model_before_loading(args, message):
+    proc = subprocess.run([sys.executable, "-m", "jaxrunner", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_serve_subprocess_shuts_down_on_sigterm_with_exit_0(tiny_checkpoints):
@@ -256,8 +258,23 @@ def test_serve_subprocess_shuts_down_on_sigterm_with_exit_0(tiny_checkpoints):
         done = httpx.post(f"{base}/v1/completions", timeout=60,
                           json={"model": tiny_checkpoints["llama"], "prompt": "Hello world", "max_tokens": 4})
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+        in_flight = []
+
+        def stream_long():  # still streaming when the signal arrives
+            with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
+                    "model": tiny_checkpoints["llama"], "prompt": "Hello", "max_tokens": 100, "ignore_eos": True,
+                    "stream": True}) as response:
+                in_flight.append(response.status_code)
+                for _ in response.iter_lines():
+                    pass
+
+        client = threading.Thread(target=stream_long)
+        client.start()
+        while not in_flight:
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
+        client.join(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

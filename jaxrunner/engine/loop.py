@@ -60,6 +60,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._prompt_tokens = 0
+        self._closing = False
         self.stats = LoopStats()
 
     # ------------------------------------------------------------------ callers' side (any thread)
@@ -86,6 +87,22 @@ class EngineLoop:
                 return
             self._aborts.append(request_id)
             self._cond.notify()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Abort every request (their callers get a ``RuntimeError``) and wait for the thread to end,
+        so a process can exit without a step in flight. Later submissions start the loop again."""
+        with self._cond:
+            sinks, self._sinks = self._sinks, {}
+            self._aborts.extend(sinks)
+            self._closing = True
+            thread = self._thread
+            self._cond.notify()
+        for sink in sinks.values():
+            _call(sink, RuntimeError("the engine loop was closed (server shutting down)"))
+        if thread is not None:
+            thread.join(timeout_s)
+        with self._cond:
+            self._closing = False
 
     def num_requests(self) -> int:
         """Requests submitted here and not yet finished or aborted."""
@@ -128,7 +145,7 @@ class EngineLoop:
             while not (self._submissions or self._aborts or self._engine_busy()):
                 if deadline is None:
                     deadline = time.monotonic() + self.idle_exit_s
-                remaining = deadline - time.monotonic()
+                remaining = 0 if self._closing else deadline - time.monotonic()
                 if remaining <= 0:
                     self._thread = None
                     return None

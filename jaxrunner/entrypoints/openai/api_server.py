@@ -430,6 +430,8 @@ def run_server(config: ServerConfig, engine_options: dict) -> int:
 
     threading.Thread(target=load, name="jaxrunner-model-load", daemon=True).start()
     server.run()
+    if state.async_llm is not None:  # uvicorn has drained or cancelled the requests; stop the loop too
+        state.async_llm.engine_loop.close()
     if failure:
         raise failure[0]
     return 0

@@ -113,8 +113,9 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
         return model.model_validate(body)
     except pydantic.ValidationError as err:
         first = err.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or None
-        raise RequestError(f"{field}: {first['msg']}", param=field) from None
+        where = ".".join(str(part) for part in first["loc"])  # e.g. prompt.list[int].0 for a union member
+        field = str(first["loc"][0]) if first["loc"] else None
+        raise RequestError(f"{where}: {first['msg']}", param=field) from None
 
 
 def completion_prompts(request: CompletionRequest) -> list:
