@@ -361,6 +361,8 @@ def main(argv=None) -> int:
                "results": summaries, "per_request": per_request}
     title = f"serving over HTTP: {args.num_requests} requests per rate, {model}"
     common.write_results(args, KIND, payload, plot, summaries, title)
+    for summary in summaries:  # one JSON line per rate, as `vllm bench serve` reports it
+        print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
     common.print_table(TABLE_HEADERS, table_rows(summaries),
                        title + f" (SLO: TTFT ≤ {args.slo_ttft_ms:g} ms, TPOT ≤ {args.slo_tpot_ms:g} ms)")
     return 0
