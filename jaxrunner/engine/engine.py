@@ -63,13 +63,12 @@ class ValidRequest:
 
 
 def _token_id_list(token_ids) -> list[int]:
-    """``prompt_token_ids`` as a list of ints; floats, bools, strings and non-lists are refused."""
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple)) and not hasattr(
-            token_ids, "tolist"):
+    """``prompt_token_ids`` as a list of ints (a list, tuple or 1-D integer array); floats, bools,
+    strings and scalars are refused."""
+    if hasattr(token_ids, "tolist"):  # numpy / jax arrays
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple)):
         raise ValueError(f"prompt_token_ids: expected a list of ints, got {type(token_ids).__name__}")
-    token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
-    if not isinstance(token_ids, list):
-        raise ValueError(f"prompt_token_ids: expected a list of ints, got a scalar {token_ids!r}")
     for index, token in enumerate(token_ids):
         if not isinstance(token, numbers.Integral) or isinstance(token, bool):
             raise ValueError(f"prompt_token_ids: element {index} is {token!r} ({type(token).__name__}); "
