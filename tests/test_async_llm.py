@@ -132,7 +132,14 @@ def test_async_callers_get_their_own_streams_and_cancelled_ones_free_pages(llm, 
         async for _ in async_llm.generate(prompt, long, request_id=request_id):
             await asyncio.sleep(3600)  # the caller stalls after its first output; it gets cancelled
 
+    async def leaves_after_one(prompt):
+        async for _ in async_llm.generate(prompt, long):
+            break  # the generator is closed (finalized) and its request aborted
+        await asyncio.sleep(0.01)
+        assert async_llm.engine_loop.num_requests() == 0  # long before its 60 tokens could be done
+
     async def main():
+        await leaves_after_one(prompts[9])
         doomed = [asyncio.create_task(abandoned(prompts[10 + i], f"doomed-{i}")) for i in range(3)]
         results = await asyncio.gather(*(collect(p, f"kept-{i}") for i, p in enumerate(prompts[:6])))
         with pytest.raises(ValueError, match="request_id"):
