@@ -160,3 +160,22 @@ def test_rollout_logprobs_are_the_served_models(llm, prompts):
         assert float(got.sum()) == pytest.approx(completion.cumulative_logprob, abs=1e-3)
     grads = jax.grad(lambda p: completion_logprob_sums(p, config, rollouts).sum())(llm.params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_update_weights_while_other_threads_generate(model_dir, prompts):
+    """A swap from one thread while another thread's generate is being served: it lands between two
+    steps on the engine loop, the generate completes, and later calls see the new weights."""
+    import threading
+
+    llm = make_llm(model_dir)
+    new = _perturbed(llm.params, seed=4)
+    fresh = token_ids(LLM.from_params(new, read_hf_config(model_dir), **TINY_ENGINE)
+                      .generate(prompts, GREEDY, use_tqdm=False))
+    done = {}
+    worker = threading.Thread(target=lambda: done.setdefault("out", llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)))
+    worker.start()
+    llm.update_weights(new)
+    worker.join(timeout=300)
+    assert len(done["out"]) == len(prompts) and all(len(o.outputs[0].token_ids) == 40 for o in done["out"])
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == fresh

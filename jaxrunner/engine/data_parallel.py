@@ -12,7 +12,7 @@ import dataclasses
 import jax
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.engine import LLMEngine, ValidRequest, _check_owner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
@@ -53,6 +53,7 @@ class DataParallelEngine:
                                                           mesh=rows[0])
         self.replicas = [LLMEngine(config, _on_mesh(base, row), row) for row in rows]
         self._replica_of: dict[str, LLMEngine] = {}
+        self.owner_thread = None  # set while an engine loop owns the engine (see LLMEngine.check_caller)
 
     # the single-engine attributes front ends read, from the first replica (all are alike)
     @property
@@ -74,8 +75,15 @@ class DataParallelEngine:
                       replica_compile_s_total=[r.startup_report["compile_s_total"] for r in self.replicas])
         return report
 
+    def validate_request(self, prompt, sampling_params=None) -> ValidRequest:
+        return self.replicas[0].validate_request(prompt, sampling_params)  # replicas share model and limits
+
+    def check_caller(self) -> None:
+        _check_owner(self)
+
     def add_request(self, request_id: str, prompt, sampling_params=None) -> None:
         """Queue on the least-loaded replica (fewest unfinished requests; ties to the lowest index)."""
+        self.check_caller()
         request_id = str(request_id)
         if request_id in self._replica_of:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -84,6 +92,7 @@ class DataParallelEngine:
         self._replica_of[request_id] = replica
 
     def abort_request(self, request_id: str) -> None:
+        self.check_caller()
         replica = self._replica_of.pop(str(request_id), None)
         if replica is not None:
             replica.abort_request(request_id)
@@ -95,6 +104,7 @@ class DataParallelEngine:
         return sum(r.num_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
+        self.check_caller()
         pending = [replica.launch_step() for replica in self.replicas]  # all dispatched before any wait
         outputs = []
         for replica, launched in zip(self.replicas, pending):

@@ -19,6 +19,8 @@ import dataclasses
 import itertools
 import logging
 import math
+import numbers
+import threading
 
 import jax
 
@@ -50,6 +52,43 @@ class _Tracked:
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed ``LLMEngine.validate_request``: its text, its tokens and its params."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+def _token_id_list(token_ids) -> list[int]:
+    """``prompt_token_ids`` as a list of ints (a list, tuple or 1-D integer array); floats, bools,
+    strings and scalars are refused."""
+    if hasattr(token_ids, "tolist"):  # numpy / jax arrays
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids: expected a list of ints, got {type(token_ids).__name__}")
+    for index, token in enumerate(token_ids):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+            raise ValueError(f"prompt_token_ids: element {index} is {token!r} ({type(token).__name__}); "
+                             f"token ids must be ints")
+    return [int(t) for t in token_ids]
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"prompt: not valid Unicode text ({err.reason} at index {err.start})") from None
+
+
+def _check_owner(engine) -> None:
+    owner = engine.owner_thread
+    if owner is not None and owner is not threading.current_thread():
+        raise RuntimeError(f"{type(engine).__name__}: an engine loop (LLM or AsyncLLM) is serving requests on "
+                           f"this engine; submit through it, or wait until its calls have returned")
 
 
 @dataclasses.dataclass
@@ -91,6 +130,7 @@ class LLMEngine:
         self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
         self.num_steps = 0
         self._in_flight: _PendingStep | None = None  # async scheduling: dispatched, not yet waited for
+        self.owner_thread: threading.Thread | None = None  # set while an engine loop owns the engine
 
     @classmethod
     def from_config(cls, **kwargs) -> "LLMEngine":
@@ -103,13 +143,32 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     # ------------------------------------------------------------------ requests in
+    def validate_request(self, prompt, sampling_params: SamplingParams | None = None) -> ValidRequest:
+        """Check and tokenize one request without touching the engine's state (safe from any thread).
+
+        Every front end (``LLM``, ``AsyncLLM``, the HTTP server) validates all the requests of a call
+        with this before it adds any, so a bad one leaves nothing behind."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
+        text, token_ids = self._prompt_token_ids(prompt)
+        self._validate_prompt(token_ids)
+        return ValidRequest(text, token_ids, params)
+
     def _prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt.get("prompt")
+                return prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError(f"prompt: a prompt dict needs 'prompt' or 'prompt_token_ids', got keys "
+                                 f"{sorted(map(str, prompt))}")
+            prompt = prompt["prompt"]
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError(f"prompt: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+                             f"got {type(prompt).__name__}")
+        _check_unicode(prompt)
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
         return prompt, list(self.tokenizer.encode(prompt))
@@ -126,17 +185,17 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}")
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
-        """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
+        """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched.
+
+        ``prompt`` may be a ``ValidRequest`` from ``validate_request`` (its ``sampling_params`` win).
+        While an engine loop (``LLM``/``AsyncLLM``) owns the engine, only the loop's thread may call
+        ``add_request``/``step``/``abort_request``; others get a ``RuntimeError``."""
+        self.check_caller()
+        valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params)
         request_id = str(request_id)
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        text, token_ids = self._prompt_token_ids(prompt)
-        self._validate_prompt(token_ids)
+        params, token_ids = valid.sampling_params, valid.prompt_token_ids
         arrival = next(self._arrivals)
         # Unseeded requests get a seed derived from the engine's, so a run is reproducible.
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & 0xFFFFFFFF
@@ -144,11 +203,17 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed)
         self.scheduler.add(request)
         self._tracked[request_id] = _Tracked(
-            request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
-                                                  getattr(params, "include_stop_str_in_output", False)),
+            request, valid.prompt, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                                          params.stop,
+                                                          getattr(params, "include_stop_str_in_output", False)),
             max_tokens, [] if params.logprobs else None)
 
+    def check_caller(self) -> None:
+        """Refuse a call from outside the engine loop's thread while a loop owns this engine."""
+        _check_owner(self)
+
     def abort_request(self, request_id: str) -> None:
+        self.check_caller()
         if self._tracked.pop(str(request_id), None) is not None:
             self.scheduler.abort(str(request_id))
 
@@ -158,6 +223,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one step and return its outputs (async scheduling: the next one is already running)."""
+        self.check_caller()
         current = self._in_flight or self.launch_step()
         self._in_flight = None
         if current is not None and self._async_enabled() and self._can_plan_behind():
