@@ -15,8 +15,20 @@ its sequence's cache, visiting only pages up to the block's last query position 
 first position inside the sliding window), so work scales with the real ``kv_len``, not with the
 page-table width. Scores, the running max/sum and the accumulator are float32; ``p`` is cast to
 the cache dtype for the PV matmul (standard flash-attention practice; bf16 error ~1e-3).
+Float32 caches ask for ``Precision.HIGHEST`` dots: Triton's default for float32 operands is
+TF32 (~1e-3 error), which the start-up self-check's tolerance (``kernels.tolerance``) refuses.
 Non-owned cache slots (beyond ``kv_len``) may hold anything, even NaN: scores are masked with a
-select, and V rows beyond ``kv_len`` are zeroed before the PV matmul.
+select, and V rows beyond ``kv_len`` are never loaded (masked loads) or zeroed before the PV
+matmul.
+
+GPU specifics: the scores carry log2(e) (folded into ``sm_scale``), so the softmax uses
+``exp2``; ``num_stages=3`` lets Triton pipeline the page-table load that feeds the K/V
+addresses (at 2 stages it does not); tiles of 64+ query rows (prefill) run on 8 warps.
+
+Split-KV: a decode batch of few (query block, kv head) programs -- batch 1 of SmolLM2 is 3 --
+leaves most SMs idle. :func:`choose_num_splits` picks, at trace time from the shapes, a segment
+axis for the grid: each program walks one contiguous share of its block's live kv tiles and
+writes its normalised output and log2-sum-exp2; :func:`merge_splits` combines them in XLA.
 
 GPU: why Triton and not Mosaic GPU
 ----------------------------------
@@ -37,7 +49,9 @@ Pallas' default GPU backend in jax 0.10 is Mosaic GPU; we pass
   page sizes 8..128 all give full-width tiles.
 
 Nothing here could be compiled for or run on a GPU from this machine: the kernel is tested in
-interpret mode and its lowering to Triton IR is tested; ``scripts/device_check.sh`` does the rest.
+interpret mode and its lowering to Triton IR is tested (jax 0.10 and 0.11, which needs an
+abstract GPU to lower without one, and warns that its Pallas Triton backend is deprecated);
+``scripts/device_check.sh`` does the rest.
 
 TPU: Mosaic with scalar prefetch
 --------------------------------
