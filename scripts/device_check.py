@@ -290,6 +290,9 @@ def decode(args, report):
             rec = guarded(lambda: _timed(impl, case, args, copy_gbps, **options))
             out["records"].append(logged(f"{name} {impl}", dict(shape=name, impl=impl, **rec)))
         for options in _sweep(name, args):
+            if time.time() - args.t0 > args.sweep_until * args.budget_s:
+                out["records"].append(dict(shape=name, options=options, skipped="time budget"))
+                continue
             rec = guarded(lambda: _timed("pallas", case, args, copy_gbps, **options))
             out["records"].append(logged(f"{name} sweep {options}", dict(
                 shape=name, impl="pallas", options=options, **rec)))
@@ -508,7 +511,10 @@ def parse_args(argv=None):
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--target-s", type=float, default=0.3, help="seconds of back-to-back calls per timing")
-    p.add_argument("--fuzz", type=int, default=8, help="fuzzed ragged batches in the correctness section")
+    p.add_argument("--fuzz", type=int, default=6, help="fuzzed ragged batches in the correctness section")
+    p.add_argument("--budget-s", type=float, default=240.0,
+                   help="the run's time budget: sweep points past --sweep-until of it are skipped")
+    p.add_argument("--sweep-until", type=float, default=0.6)
     p.add_argument("--copy-bytes", type=int, default=2 << 30)
     p.add_argument("--copy-calls", type=int, default=20)
     p.add_argument("--matmul-n", type=int, default=8192)
@@ -531,7 +537,7 @@ def main(argv=None) -> int:
 
     from jaxrunner import kernels
 
-    t0 = time.time()
+    t0 = args.t0 = time.time()
     report = Report(pathlib.Path(args.out) / "device_check.json",
                     jax_version=jax.__version__, backend=jax.default_backend(),
                     device=str(jax.devices()[0].device_kind), python=sys.version.split()[0],

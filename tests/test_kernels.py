@@ -300,6 +300,17 @@ def test_tolerance_follows_the_dot_precision():
     assert 1e-2 < bf16 < 0.1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_start_up_self_check_passes_the_pallas_kernel(dtype):
+    """The warm-up self-check's tolerance (from dtype and dot precision) admits the GPU kernel,
+    split-KV included, on a random bucket-shaped batch (interpreted here)."""
+    from jaxrunner.runner.buckets import Bucket
+    from jaxrunner.runner.warmup import attention_self_check
+
+    error = attention_self_check("pallas", Bucket(16, 4, 8), 8, 4, 2, 64, dtype, jax.random.key(3), 2)
+    assert error <= (1e-5 if dtype == jnp.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("block_q", [1, 4, 32])
 def test_xla_any_block_and_chunk_size(block_q):
     """Every (block_q, formulation, page-chunk) combination, incl. loops that start late
