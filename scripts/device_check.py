@@ -438,11 +438,13 @@ def engine(args, report):
         out = dict(checkpoint_build_s=time.perf_counter() - start, requests=count,
                    prompt_len=prompt_len, new_tokens=new_tokens)
         start = time.perf_counter()
-        # few buckets (tokens 64..1024, or 16..64 in smoke mode): start-up compiles stay short
+        # few buckets (tokens 64..1024, or 16..64 in smoke mode): start-up compiles stay short.
+        # Smoke mode serves through the (interpreted) Pallas kernel too, not CPU's native one.
         llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=count,
                   max_num_batched_tokens=64 if args.smoke else 1024,
                   min_token_bucket=16 if args.smoke else 64, max_num_prefill_seqs=4,
-                  max_model_len=prompt_len + new_tokens + 16, progress=False, compilation_cache_dir=None)
+                  max_model_len=prompt_len + new_tokens + 16, progress=False, compilation_cache_dir=None,
+                  attention_impl="pallas" if args.smoke else "auto")
         out["startup_s"] = time.perf_counter() - start
         rep = llm.startup_report
         out.update({k: rep.get(k) for k in ("attention_impl", "attention_self_check_max_abs_error",
