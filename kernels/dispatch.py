@@ -5,7 +5,8 @@
 * GPU: the Pallas (Triton) kernel when ``head_dim`` is a power of two from 16 to 256 (Triton
   tiles are powers of two and ``tl.dot`` needs K >= 16), else the plain-XLA path;
 * TPU: jax's own ragged paged attention kernel (``jax_tpu``) when ``head_dim`` is a multiple of
-  128 (its lane layout) and the installed jax ships it, else our Pallas (Mosaic) kernel;
+  128 (its lane layout) and the installed jax ships it, else our Pallas (Mosaic) kernel when
+  pages hold at least 2 rows (Mosaic rejects its one-row page slices), else plain XLA;
 * CPU: the native kernel (``cpu/paged_attention.cc`` through XLA's FFI, built on first use) when
   a C++ compiler can build it and it takes ``head_dim``, else the plain-XLA path. Pallas only
   *interprets* on CPU, orders of magnitude slower.
@@ -25,10 +26,11 @@ def triton_supports(head_dim: int | None) -> bool:
     return head_dim is None or (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
 
 
-def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None
-                ) -> tuple[str, str]:
+def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
+                page_size: int | None = None) -> tuple[str, str]:
     """``(implementation, why)`` for ``impl`` on ``platform`` (default backend), for heads of
-    ``head_dim`` (None: unknown, any size the implementation takes)."""
+    ``head_dim`` and pages of ``page_size`` rows (None: unknown, any size the implementation
+    takes)."""
     if impl in IMPLS:
         return impl, "asked for"
     if impl != "auto":
@@ -46,6 +48,8 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
         if missing is None and (head_dim is None or head_dim % 128 == 0):
             return "jax_tpu", "TPU: jax's ragged paged attention kernel"
         why = missing or f"head_dim {head_dim} is not a multiple of 128, which jax's TPU kernel needs"
+        if page_size == 1:
+            return "xla", f"TPU: {why}, and our Mosaic kernel needs pages of 2+ rows; plain XLA instead"
         return "pallas", f"TPU: {why}; our Pallas Mosaic kernel instead"
     from jaxrunner.kernels import native
 
@@ -56,9 +60,10 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
     return "native", "CPU: the native kernel"
 
 
-def resolve_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None) -> str:
+def resolve_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
+                 page_size: int | None = None) -> str:
     """The concrete implementation ``impl`` stands for (see :func:`choose_impl`)."""
-    return choose_impl(impl, platform, head_dim)[0]
+    return choose_impl(impl, platform, head_dim, page_size)[0]
 
 
 def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
@@ -112,7 +117,7 @@ def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens
     it, and XLA copies the whole pool at every layer (measured: 60 pool copies per SmolLM2 decode
     step, 18 ms of a 46 ms batch-1 token on CPU).
     """
-    impl = resolve_impl(impl, head_dim=q.shape[-1])  # one choice for the write and the attention
+    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1])  # one choice for the write and the attention
     if impl == "native":  # in place for bf16 pools too
         from jaxrunner.kernels.native import write_kv_pages_native as write_kv_pages
     else:
@@ -129,7 +134,7 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     """Checks, the choice of implementation, and (``return_pools``) the pools to continue with."""
     _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
            soft_cap)
-    impl = resolve_impl(impl, head_dim=q.shape[-1])
+    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1])
     kw = dict(sm_scale=float(sm_scale),
               sliding_window=None if sliding_window is None else int(sliding_window),
               soft_cap=None if soft_cap is None else float(soft_cap))

@@ -131,11 +131,12 @@ def test_bf16_triton_dots_take_bf16_operands(monkeypatch, capfd):
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (96, 16), (128, 8), (80, 32)])
+@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (96, 16), (128, 8), (80, 32), (64, 1),
+                                                (128, 1)])
 def test_auto_picks_an_impl_that_lowers(platform, head_dim, page_size):
     """``auto`` never picks an implementation that cannot lower for the shapes; where it falls
     back, it says why, and the kernel it avoided does fail to lower."""
-    impl, why = kernels.choose_impl("auto", platform, head_dim)
+    impl, why = kernels.choose_impl("auto", platform, head_dim, page_size)
     case = make_case(np.random.default_rng(head_dim), [1, 4], [40, 20], num_q_heads=4,
                      num_kv_heads=2, head_dim=head_dim, page_size=page_size, num_tokens=8,
                      max_seqs=3, dtype="bfloat16", poison=False)
@@ -150,3 +151,7 @@ def test_auto_picks_an_impl_that_lowers(platform, head_dim, page_size):
             lower(functools.partial(fns["pallas"], sm_scale=0.1), case, platform)
     if platform == "tpu" and impl != "jax_tpu":
         assert "128" in why or "no jax" in why
+    if platform == "tpu" and impl == "xla":
+        assert "2+ rows" in why
+        with pytest.raises(Exception):
+            lower(functools.partial(fns["pallas"], sm_scale=0.1), case, platform)
