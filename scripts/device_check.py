@@ -84,17 +84,18 @@ SMOKE_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dty
 
 
 def ensure_importable() -> None:
-    """``jaxrunner`` (and ``jaxrunner.kernels``) from this checkout when it is not installed: the
-    device machine gets the working tree, not an installed package."""
-    try:
-        import jaxrunner.kernels  # noqa: F401
-        return
-    except ImportError:
-        pass
+    """Import ``jaxrunner`` (and ``kernels/`` as ``jaxrunner.kernels``) from THIS checkout, whether
+    or not a package is installed: the device machine gets the working tree, and an installed
+    copy elsewhere would be measured instead of it."""
     sys.path.insert(0, str(REPO))
     import jaxrunner
 
     jaxrunner.__path__.append(str(REPO))  # kernels/ is installed as jaxrunner.kernels
+    import jaxrunner.kernels
+
+    for module in (jaxrunner, jaxrunner.kernels):
+        if not pathlib.Path(module.__file__).resolve().is_relative_to(REPO):
+            raise ImportError(f"{module.__name__} comes from {module.__file__}, not from {REPO}")
 
 
 # ------------------------------------------------------------------------------------------
