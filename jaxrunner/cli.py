@@ -22,7 +22,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output, in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "native", "xla", "reference"],
+    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "jax_tpu", "native", "xla", "reference"],
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
