@@ -128,7 +128,14 @@ class LLM:
             samples = [sp] if sp.n == 1 else [_sample_params(sp, i) for i in range(sp.n)]
             groups.append([_validate_at(loop, index, prompt, child) for child in samples])
         outputs = _Collector()
-        ids = [[loop.submit(request, outputs.put) for request in group] for group in groups]
+        ids = [[loop.new_request_id() for _ in group] for group in groups]
+        share_prompt = self.engine.config.enable_prefix_caching
+        for group, group_ids in zip(groups, ids):
+            if share_prompt and len(group) > 1:
+                outputs.submit_after_first(loop, group, group_ids)
+            else:
+                for request, request_id in zip(group, group_ids):
+                    loop.submit(request, outputs.put, request_id)
         finished = outputs.wait_all(loop, [i for group in ids for i in group], use_tqdm)
         return [self._merge([finished[i] for i in group]) for group in ids]
 
@@ -202,9 +209,27 @@ class _Collector:
 
     def __init__(self):
         self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False  # wait_all returned: submit nothing more
 
     def put(self, item) -> None:
         self._queue.put(item)
+
+    def submit_after_first(self, loop: EngineLoop, group: list, request_ids: list[str]) -> None:
+        """The n samples of one prompt: the first alone, the others once its first output is out. By
+        then the prompt's full pages are in the prefix cache, so the others compute only the rest
+        of the prompt instead of all of it n - 1 more times."""
+        rest = list(zip(group[1:], request_ids[1:]))
+
+        def first_sink(item) -> None:
+            with self._lock:
+                if rest and not self._closed:
+                    for request, request_id in rest:
+                        loop.submit(request, self.put, request_id)
+                rest.clear()
+            self.put(item)
+
+        loop.submit(group[0], first_sink, request_ids[0])
 
     def wait_all(self, loop: EngineLoop, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Block until every request finished; any error (or an interrupt) aborts the rest and raises."""
@@ -221,6 +246,8 @@ class _Collector:
                         finished[item.request_id] = item
                         bar.update(1)
         finally:
+            with self._lock:
+                self._closed = True
             for request_id in request_ids:
                 if request_id not in finished:
                     loop.abort(request_id)

@@ -179,3 +179,15 @@ def test_update_weights_while_other_threads_generate(model_dir, prompts):
     worker.join(timeout=300)
     assert len(done["out"]) == len(prompts) and all(len(o.outputs[0].token_ids) == 40 for o in done["out"])
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == fresh
+
+
+def test_n_samples_share_the_prompt_through_the_prefix_cache(model_dir):
+    """generate(n=4): the first sample computes the prompt, the other three reuse its full pages."""
+    llm = make_llm(model_dir)
+    prompt = random_prompts(1, 512, 60, 60, seed=9)[0]
+    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 6 for c in out.outputs)
+    page = TINY_ENGINE["page_size"]
+    assert llm.engine.scheduler.prefix_cache_hit_tokens == 3 * (59 // page) * page
+    llm.engine.scheduler.allocator.check_invariants()

@@ -70,6 +70,11 @@ class EngineLoop:
         """The engine's checks and tokenization, on the caller's thread; raises ``ValueError``."""
         return self.engine.validate_request(prompt, sampling_params)
 
+    def new_request_id(self) -> str:
+        """An id no request of this loop has (for callers that need ids before they submit)."""
+        with self._cond:
+            return f"req-{next(self._ids)}"
+
     def submit(self, request, sink: Sink, request_id: str | None = None) -> str:
         """Queue a validated request (``validate``'s result); its outputs go to ``sink``. Returns its id."""
         with self._cond:
