@@ -5,13 +5,16 @@ from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):  # LLM and LLMEngine pull in JAX and transformers: import them on first use
     if name == "LLM":
         from jaxrunner.llm import LLM
         return LLM
+    if name == "AsyncLLM":
+        from jaxrunner.async_llm import AsyncLLM
+        return AsyncLLM
     if name == "LLMEngine":
         from jaxrunner.engine.engine import LLMEngine
         return LLMEngine

@@ -1,4 +1,4 @@
-"""The ``jaxrunner`` command: generate, chat, bench, convert, info.
+"""The ``jaxrunner`` command: generate, chat, serve, bench, convert, info.
 
 Errors a user can cause (a bad flag value, a missing model) print one line and exit 2; a traceback
 means a bug in jaxrunner.
@@ -22,7 +22,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output, in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "native", "xla", "reference"],
+    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "jax_tpu", "native", "xla", "reference"],
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
@@ -203,6 +203,25 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from jaxrunner.config import EngineConfig
+    from jaxrunner.entrypoints.openai.api_server import ServerConfig, run_server
+    from jaxrunner.models.loading.resolve import resolve_model
+
+    model = args.model_tag or args.model
+    options = _engine_options(args)
+    EngineConfig(model=model, **options)  # every engine option is checked before the model loads
+    resolve_model(model)  # and the model exists
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue: {args.max_queue} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port: {args.port} must be in 1..65535")
+    _join_cluster(args)
+    config = ServerConfig(model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+                          api_key=args.api_key or os.environ.get("JAXRUNNER_API_KEY"), max_queue=args.max_queue)
+    return run_server(config, options)
+
+
 def cmd_bench(args) -> int:
     import runpy
 
@@ -247,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="devices, backend, attention impl, versions, default model, cache dir")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+                       "(default: $JAXRUNNER_API_KEY, else no key)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    serve.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
+    serve.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    _add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark script (throughput, latency, serving, startup)")
     bench.add_argument("kind", choices=["throughput", "latency", "serving", "startup"])

@@ -21,7 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True           # plan step N+1 while step N runs on the device
-    attention_impl: str = "auto"            # auto | pallas | native (CPU) | xla | reference
+    attention_impl: str = "auto"            # auto | pallas | jax_tpu (TPU) | native (CPU) | xla | reference
     kv_cache_dtype: str | None = None       # defaults to dtype (float32 for bf16 on CPU without the native kernel)
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
@@ -44,7 +44,7 @@ class EngineConfig:
             ("max_num_prefill_seqs", self.max_num_prefill_seqs is None or self.max_num_prefill_seqs >= 1),
             ("num_pages", self.num_pages is None or self.num_pages >= 2),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1),
-            ("attention_impl", self.attention_impl in ("auto", "pallas", "xla", "native", "reference")),
+            ("attention_impl", self.attention_impl in ("auto", "pallas", "jax_tpu", "xla", "native", "reference")),
             ("memory_utilization", 0.0 < self.memory_utilization <= 1.0),
             ("warmup_inputs", self.warmup_inputs in ("random", "zeros")),
             ("quantization", self.quantization in (None, "int8")),

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import os
+import queue
+import threading
 from typing import Iterator, Sequence
 
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
 from jaxrunner.engine.data_parallel import create_engine
+from jaxrunner.engine.loop import EngineLoop
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
@@ -21,8 +24,76 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
         """``engine_options`` are EngineConfig's fields, e.g. ``dtype``, ``max_num_seqs``,
         ``tensor_parallel_size`` (devices splitting the model) and ``data_parallel_size`` (replicas)."""
-        self.engine = create_engine(EngineConfig(model=model, **engine_options))
-        self._ids = itertools.count()
+        _check_model(model)
+        self._attach(create_engine(EngineConfig(model=model, **engine_options)))
+
+    def _attach(self, engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def from_params(cls, params, config, tokenizer=None, **engine_options) -> "LLM":
+        """Serve an in-memory params pytree (the leaves ``LLM.params`` returns) with no checkpoint.
+
+        ``config``: the model's HF config (a ``config.json`` dict or a ``transformers`` config);
+        ``tokenizer``: a tokenizer object, a directory to load one from, or None (prompts are then
+        given as ``{"prompt_token_ids": [...]}``). Arrays already on the engine's devices and
+        shardings are served in place, with no copy; others are copied device to device. The
+        dtype is the params' own (float32 or bfloat16)."""
+        from jaxrunner.runner import weights
+
+        return cls._in_memory(lambda mesh, tok: weights.model_from_params(params, config, tok, mesh),
+                              weights.params_dtype(params), tokenizer, engine_options)
+
+    @classmethod
+    def from_nnx(cls, module, tokenizer=None, **engine_options) -> "LLM":
+        """Serve a Flax NNX module that follows the protocol of ``jaxrunner.models.flax_nnx``
+        (``config``, ``embed``, ``layers`` called with the engine's ``attend``, ``norm``, ``logits``),
+        with the paged cache, kernels and warm-up of the built-in models. ``LLM.params`` is then the
+        module's ``nnx.State``."""
+        from flax import nnx
+
+        from jaxrunner.models.flax_nnx import check_protocol
+        from jaxrunner.runner import weights
+
+        check_protocol(module)
+        dtype = weights.params_dtype(nnx.state(module))
+        return cls._in_memory(lambda mesh, tok: weights.model_from_nnx(module, tok, mesh), dtype, tokenizer,
+                              engine_options)
+
+    @classmethod
+    def _in_memory(cls, build_model, dtype: str, tokenizer, engine_options: dict) -> "LLM":
+        """An LLM over a model built in memory by ``build_model(mesh of the first replica, tokenizer)``;
+        the engine options are checked before it is built."""
+        from jaxrunner.parallel import mesh as meshes
+        from jaxrunner.runner import weights
+
+        if engine_options.setdefault("dtype", dtype) != dtype:
+            raise ValueError(f"dtype={engine_options['dtype']!r}: the params are {dtype}; cast them, or leave dtype out")
+        config = EngineConfig(model=weights.IN_MEMORY, **engine_options)
+        meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
+        first_row = meshes.replica_meshes(meshes.build_mesh(config.tensor_parallel_size,
+                                                            config.data_parallel_size))[0]
+        if isinstance(tokenizer, str):
+            from jaxrunner.models.loading.hf import load_hf_tokenizer
+
+            tokenizer = load_hf_tokenizer(tokenizer)
+        model = build_model(first_row, tokenizer)
+        llm = cls.__new__(cls)
+        llm._attach(create_engine(config, model))
+        return llm
+
+    @property
+    def params(self):
+        """The params pytree being served: read it, change it, hand it to ``update_weights``."""
+        return self.engine.params
+
+    def update_weights(self, params, abort_in_flight: bool = False) -> None:
+        """Serve ``params`` from the next step on, compiling nothing (same leaves, shapes and dtypes
+        as ``LLM.params``; a mismatch is a ``ValueError`` naming the leaf, and the old weights stay).
+        Requests in flight continue on the new weights unless ``abort_in_flight``; the prefix cache
+        is emptied. Thread-safe: while other threads' calls are being served, the swap happens on the
+        engine loop's thread between two steps."""
+        self.engine_loop.run_on_engine(lambda engine: engine.update_weights(params, abort_in_flight))
 
     @property
     def startup_report(self) -> dict:
@@ -32,51 +103,70 @@ class LLM:
         return self.engine.tokenizer
 
     # ------------------------------------------------------------------ batch generation
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The loop thread that serves every call of this LLM (and of an ``AsyncLLM`` built on it)."""
+        with _LOOP_LOCK:
+            if getattr(self, "_engine_loop", None) is None:
+                self._engine_loop = EngineLoop(self.engine)
+            return self._engine_loop
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Serve every prompt to completion; outputs come back in the order of ``prompts``."""
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        """Serve every prompt to completion; outputs come back in the order of ``prompts``.
+
+        Thread-safe: calls from several threads (and ``chat``/``stream``) are batched together by the
+        engine loop, each getting its own outputs. Every prompt and SamplingParams of the call is
+        checked before any is queued, so a ``ValueError`` leaves nothing behind. Requests added with
+        ``llm.engine.add_request`` are not consumed: while they are unfinished this raises
+        ``RuntimeError``, and while this call runs, direct engine calls from other threads raise."""
+        prompts = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        groups = []  # per prompt: (request ids of its n samples)
-        for prompt, sp in zip(prompts, params):
-            base = str(next(self._ids))
+        loop = self.engine_loop
+        groups = []  # per prompt: the validated requests of its n samples
+        for index, (prompt, sp) in enumerate(zip(prompts, params)):
             samples = [sp] if sp.n == 1 else [_sample_params(sp, i) for i in range(sp.n)]
-            ids = [base] if sp.n == 1 else [f"{base}#{i}" for i in range(sp.n)]
-            for request_id, child in zip(ids, samples):
-                self.engine.add_request(request_id, prompt, child)
-            groups.append(ids)
-        finished = self._run_to_completion(sum(len(g) for g in groups), use_tqdm)
-        return [self._merge([finished[i] for i in ids]) for ids in groups]
+            groups.append([_validate_at(loop, index, prompt, child) for child in samples])
+        outputs = _Collector()
+        ids = [[loop.new_request_id() for _ in group] for group in groups]
+        share_prompt = self.engine.config.enable_prefix_caching
+        for group, group_ids in zip(groups, ids):
+            if share_prompt and len(group) > 1:
+                outputs.submit_after_first(loop, group, group_ids)
+            else:
+                for request, request_id in zip(group, group_ids):
+                    loop.submit(request, outputs.put, request_id)
+        finished = outputs.wait_all(loop, [i for group in ids for i in group], use_tqdm)
+        return [self._merge([finished[i] for i in group]) for group in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages: expected a conversation (a list of {{'role', 'content'}} dicts) or a "
+                             f"list of them, got {type(messages).__name__ if messages else messages!r}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         return self.generate([self.chat_prompt(c, add_generation_prompt) for c in conversations],
                              sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
+        """The conversation through the model's chat template, as text and token ids."""
+        check_conversation(conversation)
         tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use generate with a prompt")
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text as it is generated for one prompt (other queued requests keep being served)."""
-        request_id = f"stream-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, sampling_params)
-        try:
-            while True:
-                outputs = {o.request_id: o for o in self.engine.step()}
-                mine = outputs.get(request_id)
-                if mine is not None:
-                    if mine.delta_text:
-                        yield mine.delta_text
-                    if mine.finished:
-                        return
-                elif not self.engine.has_unfinished_requests():
-                    return
-        finally:
-            self.engine.abort_request(request_id)
+        """Yield text as it is generated for one prompt.
+
+        Served by the engine loop beside every other call: other requests in flight keep running and
+        go to their own callers, and a stream that is not read from keeps its text until it is.
+        Closing the generator early aborts the request and frees its pages."""
+        loop = self.engine_loop
+        request = loop.validate(prompt, sampling_params)  # raises here, before the first next()
+        return _stream(loop, request)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -85,22 +175,16 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params: expected SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+        for index, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{index}]: expected SamplingParams, got {type(sp).__name__}")
         return params
-
-    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        from tqdm.auto import tqdm
-
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
-        return finished
 
     @staticmethod
     def _merge(outputs: list[RequestOutput]) -> RequestOutput:
@@ -113,12 +197,124 @@ class LLM:
             completion = output.outputs[0]
             completion.index = index
             completions.append(completion)
-        return RequestOutput(first.request_id.split("#")[0], first.prompt, first.prompt_token_ids, completions,
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions,
                              finished=True, num_cached_tokens=first.num_cached_tokens,
                              prompt_logprobs=first.prompt_logprobs)
+
+
+_LOOP_LOCK = threading.Lock()
+
+
+class _Collector:
+    """The outputs of one call's requests, put by the loop thread and read by the caller's thread."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False  # wait_all returned: submit nothing more
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+
+    def submit_after_first(self, loop: EngineLoop, group: list, request_ids: list[str]) -> None:
+        """The n samples of one prompt: the first alone, the others once its first output is out. By
+        then the prompt's full pages are in the prefix cache, so the others compute only the rest
+        of the prompt instead of all of it n - 1 more times."""
+        rest = list(zip(group[1:], request_ids[1:]))
+
+        def first_sink(item) -> None:
+            with self._lock:
+                if rest and not self._closed:
+                    for request, request_id in rest:
+                        loop.submit(request, self.put, request_id)
+                rest.clear()
+            self.put(item)
+
+        loop.submit(group[0], first_sink, request_ids[0])
+
+    def wait_all(self, loop: EngineLoop, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Block until every request finished; any error (or an interrupt) aborts the rest and raises."""
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+                while len(finished) < len(request_ids):
+                    item = self._queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        finished[item.request_id] = item
+                        bar.update(1)
+        finally:
+            with self._lock:
+                self._closed = True
+            for request_id in request_ids:
+                if request_id not in finished:
+                    loop.abort(request_id)
+        return finished
+
+
+def _stream(loop: EngineLoop, request) -> Iterator[str]:
+    outputs: queue.Queue = queue.Queue()
+    request_id = loop.submit(request, outputs.put)
+    finished = False
+    try:
+        while not finished:
+            item = outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            if item.delta_text:
+                yield item.delta_text
+    finally:
+        if not finished:
+            loop.abort(request_id)
+
+
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list: one prompt (string or dict) or a list/tuple of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a string, a prompt dict ({{'prompt': ...}} or "
+                         f"{{'prompt_token_ids': [...]}}) or a list of them, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts: the list is empty")
+    return list(prompts)
+
+
+def _validate_at(loop: EngineLoop, index: int, prompt, params: SamplingParams):
+    """The engine's checks for prompt ``index``; the error says which prompt of the call was bad."""
+    try:
+        return loop.validate(prompt, params)
+    except ValueError as err:
+        raise ValueError(f"prompts[{index}]: {err}") from None
+
+
+def check_conversation(conversation) -> None:
+    """A chat is a list of messages, each a dict with a string ``role`` and a string ``content``."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"messages: expected a non-empty list of {{'role', 'content'}} dicts, "
+                         f"got {type(conversation).__name__}")
+    for index, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{index}]: expected a dict with 'role' and 'content', "
+                             f"got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{index}].role: expected a string such as 'system', 'user' or "
+                             f"'assistant', got {message.get('role')!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{index}].content: expected a string, got "
+                             f"{type(message.get('content')).__name__}")
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th of n samples: its own request, its own seed (seed + i when the user fixed one)."""
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise ValueError(f"model: expected a model alias, a .gguf file or a checkpoint directory, got {model!r}")

@@ -1,30 +1,69 @@
 """Public entry point: shape checks and the choice of implementation.
 
-``impl="auto"`` resolves to the Pallas kernel on GPU/TPU. On CPU it resolves to the native kernel
-(``cpu/paged_attention.cc`` through XLA's FFI, built on first use) when a C++ compiler can build
-it, else to the plain-XLA path. Pallas only *interprets* on CPU, orders of magnitude slower.
+``impl="auto"`` never picks an implementation that cannot lower for the shapes:
+
+* GPU: the Pallas (Triton) kernel when ``head_dim`` is a power of two from 16 to 256 (Triton
+  tiles are powers of two and ``tl.dot`` needs K >= 16), else the plain-XLA path;
+* TPU: jax's own ragged paged attention kernel (``jax_tpu``) when ``head_dim`` is a multiple of
+  128 (its lane layout) and the installed jax ships it, else our Pallas (Mosaic) kernel when
+  pages hold at least 2 rows (Mosaic rejects its one-row page slices), else plain XLA;
+* CPU: the native kernel (``cpu/paged_attention.cc`` through XLA's FFI, built on first use) when
+  a C++ compiler can build it and it takes ``head_dim``, else the plain-XLA path. Pallas only
+  *interprets* on CPU, orders of magnitude slower.
+
+:func:`choose_impl` also says why, for start-up reports and ``jaxrunner info``.
 """
 from __future__ import annotations
 
 import jax
 
-IMPLS = ("reference", "xla", "native", "pallas")
+IMPLS = ("reference", "xla", "native", "pallas", "jax_tpu")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def resolve_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None) -> str:
-    """The concrete implementation ``impl`` stands for on ``platform`` (default backend), for
-    heads of ``head_dim`` (unknown: any size the implementation takes)."""
+def triton_supports(head_dim: int | None) -> bool:
+    """Whether the Triton kernel lowers for heads of ``head_dim`` (any page size does)."""
+    return head_dim is None or (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
+
+
+def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
+                page_size: int | None = None) -> tuple[str, str]:
+    """``(implementation, why)`` for ``impl`` on ``platform`` (default backend), for heads of
+    ``head_dim`` and pages of ``page_size`` rows (None: unknown, any size the implementation
+    takes)."""
     if impl in IMPLS:
-        return impl
+        return impl, "asked for"
     if impl != "auto":
         raise ValueError(f"impl must be 'auto' or one of {IMPLS}, got {impl!r}")
     platform = (platform or jax.default_backend()).lower()
-    if platform in ("gpu", "cuda", "rocm", "tpu"):
-        return "pallas"
+    if platform in GPU_PLATFORMS:
+        if triton_supports(head_dim):
+            return "pallas", "GPU: the Pallas Triton kernel"
+        return "xla", (f"GPU: head_dim {head_dim} is not a power of two in [16, 256], which the "
+                       "Triton kernel's tiles need; plain XLA instead")
+    if platform == "tpu":
+        from jaxrunner.kernels import jax_tpu
+
+        missing = jax_tpu.available()
+        if missing is None and (head_dim is None or head_dim % 128 == 0):
+            return "jax_tpu", "TPU: jax's ragged paged attention kernel"
+        why = missing or f"head_dim {head_dim} is not a multiple of 128, which jax's TPU kernel needs"
+        if page_size == 1:
+            return "xla", f"TPU: {why}, and our Mosaic kernel needs pages of 2+ rows; plain XLA instead"
+        return "pallas", f"TPU: {why}; our Pallas Mosaic kernel instead"
     from jaxrunner.kernels import native
 
-    fits = head_dim is None or native.supports(head_dim)
-    return "native" if fits and native.available() else "xla"
+    if not native.available():
+        return "xla", f"CPU: native kernel unavailable ({native.unavailable_reason()})"
+    if head_dim is not None and not native.supports(head_dim):
+        return "xla", f"CPU: the native kernel does not take head_dim {head_dim}"
+    return "native", "CPU: the native kernel"
+
+
+def resolve_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
+                 page_size: int | None = None) -> str:
+    """The concrete implementation ``impl`` stands for (see :func:`choose_impl`)."""
+    return choose_impl(impl, platform, head_dim, page_size)[0]
 
 
 def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
@@ -78,7 +117,7 @@ def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens
     it, and XLA copies the whole pool at every layer (measured: 60 pool copies per SmolLM2 decode
     step, 18 ms of a 46 ms batch-1 token on CPU).
     """
-    impl = resolve_impl(impl, head_dim=q.shape[-1])  # one choice for the write and the attention
+    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1])  # one choice for the write and the attention
     if impl == "native":  # in place for bf16 pools too
         from jaxrunner.kernels.native import write_kv_pages_native as write_kv_pages
     else:
@@ -95,7 +134,7 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     """Checks, the choice of implementation, and (``return_pools``) the pools to continue with."""
     _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
            soft_cap)
-    impl = resolve_impl(impl, head_dim=q.shape[-1])
+    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1])
     kw = dict(sm_scale=float(sm_scale),
               sliding_window=None if sliding_window is None else int(sliding_window),
               soft_cap=None if soft_cap is None else float(soft_cap))
@@ -108,6 +147,8 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
         from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
     elif impl == "native":
         from jaxrunner.kernels.native import ragged_paged_attention_native as fn
+    elif impl == "jax_tpu":
+        from jaxrunner.kernels.jax_tpu import ragged_paged_attention_jax_tpu as fn
     else:
         from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
     out = fn(*args, **kw)

@@ -15,8 +15,20 @@ its sequence's cache, visiting only pages up to the block's last query position 
 first position inside the sliding window), so work scales with the real ``kv_len``, not with the
 page-table width. Scores, the running max/sum and the accumulator are float32; ``p`` is cast to
 the cache dtype for the PV matmul (standard flash-attention practice; bf16 error ~1e-3).
+Float32 caches ask for ``Precision.HIGHEST`` dots: Triton's default for float32 operands is
+TF32 (~1e-3 error), which the start-up self-check's tolerance (``kernels.tolerance``) refuses.
 Non-owned cache slots (beyond ``kv_len``) may hold anything, even NaN: scores are masked with a
-select, and V rows beyond ``kv_len`` are zeroed before the PV matmul.
+select, and V rows beyond ``kv_len`` are never loaded (masked loads) or zeroed before the PV
+matmul.
+
+GPU specifics: the scores carry log2(e) (folded into ``sm_scale``), so the softmax uses
+``exp2``; ``num_stages=3`` lets Triton pipeline the page-table load that feeds the K/V
+addresses (at 2 stages it does not); tiles of 64+ query rows (prefill) run on 8 warps.
+
+Split-KV: a decode batch of few (query block, kv head) programs -- batch 1 of SmolLM2 is 3 --
+leaves most SMs idle. :func:`choose_num_splits` picks, at trace time from the shapes, a segment
+axis for the grid: each program walks one contiguous share of its block's live kv tiles and
+writes its normalised output and log2-sum-exp2; :func:`merge_splits` combines them in XLA.
 
 GPU: why Triton and not Mosaic GPU
 ----------------------------------
@@ -37,7 +49,9 @@ Pallas' default GPU backend in jax 0.10 is Mosaic GPU; we pass
   page sizes 8..128 all give full-width tiles.
 
 Nothing here could be compiled for or run on a GPU from this machine: the kernel is tested in
-interpret mode and its lowering to Triton IR is tested; ``scripts/device_check.sh`` does the rest.
+interpret mode and its lowering to Triton IR is tested (jax 0.10 and 0.11, which needs an
+abstract GPU to lower without one, and warns that its Pallas Triton backend is deprecated);
+``scripts/device_check.sh`` does the rest.
 
 TPU: Mosaic with scalar prefetch
 --------------------------------
@@ -67,6 +81,22 @@ from jax.experimental import pallas as pl
 from jaxrunner.kernels.blocks import choose_block_q, query_blocks, sanitize
 
 _NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+
+# Split-KV: a decode batch of few (query block, kv head) programs leaves most of a large GPU idle,
+# so the kv range of each block is cut into segments that run as programs of their own and are
+# merged afterwards by their log-sum-exp. The split count is picked at trace time from the shapes:
+# enough programs to give every SM of a large GPU (132 on an H200) about two, with each segment
+# still at least MIN_TILES_PER_SPLIT kv tiles long (the merge costs an f32 write per segment).
+FILL_PROGRAMS = 264
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+def dot_precision(dtype):
+    """The precision the kernels ask of their dots: ``HIGHEST`` for float32 caches (full-precision
+    dots; Triton would otherwise run them on TF32, ~1e-3 error), the default for 16-bit ones."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _div(x, d: int):
@@ -141,36 +171,55 @@ def _kv_range(qpos0, nrows, kvl, sliding_window):
     return lo, hi
 
 
-def _online_update(carry, s, v, mask, v_live):
-    """One flash-attention step. s [R, Bk] f32 (masked below), v [Bk, D] cache dtype."""
+def _online_update(carry, s, v, mask, v_live, exp=jnp.exp):
+    """One flash-attention step. s [R, Bk] f32 (masked below), v [Bk, D] cache dtype; m and l
+    are [R, 1]. ``exp`` is ``jnp.exp2`` when the scores carry the log2(e) factor (GPU).
+    ``v_live`` None: V rows past ``kv_len`` were already zeroed by a masked load."""
     m_prev, l_prev, acc = carry
     s = jnp.where(mask, s, _NEG_INF)
     m_cur = jnp.max(s, axis=1, keepdims=True)
     m_new = jnp.maximum(m_prev, m_cur)
     m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    alpha = jnp.exp(m_prev - m_safe)
-    p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
+    alpha = exp(m_prev - m_safe)
+    p = jnp.where(mask, exp(s - m_safe), 0.0)
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    v = jnp.where(v_live, v, jnp.zeros_like(v))
+    if v_live is not None:
+        v = jnp.where(v_live, v, jnp.zeros_like(v))
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+                             precision=dot_precision(v.dtype), preferred_element_type=jnp.float32)
     return m_new, l_new, acc * alpha + pv
 
 
-def _scores(q, k, sm_scale, soft_cap):
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    return s
+def _scores(q, k, sm_scale, soft_cap, log2_domain=False):
+    """Scaled (and soft-capped) scores, f32. ``log2_domain``: times log2(e), for ``exp2``; without
+    a soft cap the factor is folded into the scale, so it costs nothing."""
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype),
+                            preferred_element_type=jnp.float32)
+    if soft_cap is None:
+        return s * (sm_scale * LOG2E if log2_domain else sm_scale)
+    s = soft_cap * jnp.tanh(s * (sm_scale / soft_cap))
+    return s * LOG2E if log2_domain else s
 
 
 # --------------------------------------------------------------------------------------------
 # GPU (Triton) kernel
 # --------------------------------------------------------------------------------------------
 
-def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *,
-                sm_scale, sliding_window, soft_cap, group, page_size, width, block_k, num_pages):
+def _split_tiles(t_lo, t_hi, num_splits):
+    """This program's share ``[lo, hi)`` of the kv tiles ``[t_lo, t_hi)`` (grid axis 2)."""
+    if num_splits == 1:
+        return t_lo, t_hi
+    split = pl.program_id(2)
+    per = _div(jnp.maximum(t_hi - t_lo, 0) + num_splits - 1, num_splits)
+    lo = t_lo + split * per
+    return lo, jnp.minimum(t_hi, lo + per)
+
+
+def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
+                *lse_ref, sm_scale, sliding_window, soft_cap, group, page_size, width, block_k,
+                num_pages, num_splits, masked_loads):
+    from jax.experimental.pallas import triton as plgpu
+
     b = pl.program_id(0)
     h = pl.program_id(1)
     seq = seq_ref[b]
@@ -181,8 +230,7 @@ def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_
     rows_pad, head_dim = q.shape
     qpos, row_live = _row_positions(qpos0, nrows, rows_pad, group)
     lo, hi = _kv_range(qpos0, nrows, kvl, sliding_window)
-    t_lo = _div(lo, block_k)
-    t_hi = _div(hi + block_k - 1, block_k)
+    t_lo, t_hi = _split_tiles(_div(lo, block_k), _div(hi + block_k - 1, block_k), num_splits)
 
     def body(t, carry):
         l_idx = t * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -190,47 +238,93 @@ def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_
         page = pt_ref[seq, col]                                 # [Bk] page-table gather
         page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)  # never fault on bad input
         slots = page * page_size + jax.lax.rem(l_idx, jnp.int32(page_size))
-        k = k_ref[slots, h, :]                                  # [Bk, D] row gather
-        v = v_ref[slots, h, :]
-        s = _scores(q, k, sm_scale, soft_cap)
+        live = (l_idx < kvl)[:, None]
+        if masked_loads:  # rows past kv_len are neither read nor allowed to leak (NaN * 0)
+            full = jnp.broadcast_to(live, (block_k, head_dim))
+            k = plgpu.load(k_ref.at[slots, h, :], mask=full, other=0.0)   # [Bk, D] row gather
+            v = plgpu.load(v_ref.at[slots, h, :], mask=full, other=0.0)
+            v_live = None
+        else:
+            k = k_ref[slots, h, :]
+            v = v_ref[slots, h, :]
+            v_live = live
+        s = _scores(q, k, sm_scale, soft_cap, log2_domain=True)
         lrow = l_idx[None, :]
         mask = (lrow <= qpos) & (lrow < kvl) & row_live
         if sliding_window is not None:
             mask &= lrow > qpos - sliding_window
-        v_live = (l_idx < kvl)[:, None]
-        return _online_update(carry, s, v, mask, v_live)
+        return _online_update(carry, s, v, mask, v_live, exp=jnp.exp2)
 
     init = (jnp.full((rows_pad, 1), _NEG_INF, jnp.float32),
             jnp.zeros((rows_pad, 1), jnp.float32),
             jnp.zeros((rows_pad, head_dim), jnp.float32))
-    _, l_sum, acc = jax.lax.fori_loop(t_lo, t_hi, body, init)
+    m, l_sum, acc = jax.lax.fori_loop(t_lo, t_hi, body, init)
     o_ref[...] = (acc / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
+    if lse_ref:  # split-KV: this segment's log2-sum-exp2, -inf when it saw no kv
+        lse = jnp.where(l_sum == 0, _NEG_INF, m + jnp.log2(jnp.where(l_sum == 0, 1.0, l_sum)))
+        lse_ref[0][...] = lse[:, 0]
+
+
+def choose_num_splits(num_programs: int, max_kv_tiles: int) -> int:
+    """Split-KV segments per (query block, kv head), from static shapes (see FILL_PROGRAMS)."""
+    if num_programs >= FILL_PROGRAMS:
+        return 1
+    wanted = -(-FILL_PROGRAMS // num_programs)
+    return max(1, min(wanted, max_kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def merge_splits(o, lse):
+    """Merge split-KV segments: o [..., S, R, D] f32 (each normalised by its own sum), lse
+    [..., S, R] log2-sum-exp2 of each segment (-inf: empty). Returns [..., R, D] f32."""
+    top = jnp.max(lse, axis=-2, keepdims=True)
+    top = jnp.where(top == _NEG_INF, 0.0, top)
+    w = jnp.exp2(lse - top)                                     # 0 for empty segments
+    total = jnp.sum(w, axis=-2)
+    out = jnp.sum(w[..., None] * o, axis=-3)
+    return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
 def _gpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_window, soft_cap,
-              group, block_k, num_warps, num_stages, interpret):
+              group, block_k, num_warps, num_stages, num_splits, masked_loads, interpret):
     from jax.experimental.pallas import triton as plgpu
 
     nb, num_kv_heads, rows_pad, head_dim = qblk.shape
     num_pages, page_size = k_pages.shape[:2]
     width = page_indices.shape[1]
+    if num_splits is None:
+        num_splits = choose_num_splits(nb * num_kv_heads, -(-width * page_size // block_k))
+    if num_warps is None:  # a [rows, D] f32 accumulator of 64+ rows wants 8 warps' registers
+        num_warps = 8 if rows_pad >= 64 else 4
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group=group, page_size=page_size, width=width, block_k=block_k, num_pages=num_pages)
+        group=group, page_size=page_size, width=width, block_k=block_k, num_pages=num_pages,
+        num_splits=num_splits, masked_loads=masked_loads and not interpret)
     whole = pl.no_block_spec  # small metadata and the pools: whole arrays, indexed in-kernel
-    tile = pl.BlockSpec((None, None, rows_pad, head_dim), lambda b, h: (b, h, 0, 0))
-    return pl.pallas_call(
+    q_tile = pl.BlockSpec((None, None, rows_pad, head_dim), lambda b, h, *_: (b, h, 0, 0))
+    if num_splits == 1:
+        out_specs, out_shape = q_tile, jax.ShapeDtypeStruct(qblk.shape, qblk.dtype)
+    else:
+        seg = (nb, num_kv_heads, num_splits, rows_pad)
+        out_specs = [pl.BlockSpec((None, None, None, rows_pad, head_dim),
+                                  lambda b, h, s: (b, h, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows_pad), lambda b, h, s: (b, h, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct(seg + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(seg, jnp.float32)]
+    out = pl.pallas_call(
         kernel,
-        grid=(nb, num_kv_heads),
-        in_specs=[whole] * 5 + [tile, whole, whole],
-        out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct(qblk.shape, qblk.dtype),
+        grid=(nb, num_kv_heads, num_splits) if num_splits > 1 else (nb, num_kv_heads),
+        in_specs=[whole] * 5 + [q_tile, whole, whole],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
     )(meta["seq"], meta["qpos0"], meta["nrows"], meta["kvl"], page_indices, qblk,
       k_pages.reshape(flat), v_pages.reshape(flat))
+    if num_splits == 1:
+        return out
+    return merge_splits(*out).astype(qblk.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,11 +457,18 @@ def _default_backend_variant() -> str:
 def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                   num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
                                   variant=None, interpret=None, block_q=None, block_k=None,
-                                  num_warps=4, num_stages=2):
+                                  num_warps=None, num_stages=3, num_splits=None,
+                                  masked_loads=True):
     """Pallas ragged paged attention.
 
     ``variant``: "gpu" (Triton) or "tpu" (Mosaic); default from the backend. ``interpret``:
-    default True on CPU (tests), False elsewhere.
+    default True on CPU (tests), False elsewhere. GPU tuning (static): ``block_k`` cache rows
+    per tile (64); ``num_warps`` (None: 8 for tiles of 64+ query rows, else 4); ``num_stages``
+    3, so the page-table load that feeds the K/V addresses is pipelined too (at 2 Triton does
+    not pipeline a load whose result feeds other load addresses); ``num_splits`` split-KV
+    segments (None: :func:`choose_num_splits`); ``masked_loads`` False: load whole tiles and
+    zero dead V rows with a select instead (always so in interpret mode, whose discharge of a
+    masked gather load is not implemented; the masked form is covered by lowering tests).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
@@ -384,7 +485,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
         out = _gpu_call(meta, page_indices, qblk, k_pages, v_pages, sm_scale=sm_scale,
                         sliding_window=sliding_window, soft_cap=soft_cap, group=group,
                         block_k=bk, num_warps=num_warps, num_stages=num_stages,
-                        interpret=interpret)
+                        num_splits=num_splits, masked_loads=masked_loads, interpret=interpret)
     elif variant == "tpu":
         qb, meta, qblk, bq, rows, rows_pad = _prepare(
             q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q,

@@ -8,6 +8,7 @@ so an implementation that reads or leaks them fails loudly.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -95,3 +96,27 @@ def make_case(rng: np.random.Generator, q_lens, kv_lens, *, num_q_heads, num_kv_
     return PagedCase(_to_dtype(q, dtype), _to_dtype(k, dtype), _to_dtype(v, dtype), kv,
                      page_indices, cu, np.asarray(n_live, np.int32), q_lens, kv_lens)
 
+
+
+ABSTRACT_DEVICES = {"cuda": ("NVIDIA H200", 132, "gpu"), "tpu": ("TPU v5 lite", 1, "tpu")}
+
+
+def lowering_context(platform: str):
+    """Context to lower for ``platform`` (``"cuda"`` or ``"tpu"``) on a host without that device.
+
+    Lowering asks which device it lowers for: jax >= 0.11 refuses Triton kernels when no GPU is
+    present, and Mosaic's lowering of some ops (``sign``) and jax's TPU kernels need the TPU
+    generation. An abstract device (``jax.sharding.use_abstract_mesh``) stands in: an H200, a
+    TPU v5e. Other platforms need nothing.
+    """
+    import jax
+
+    if platform not in ABSTRACT_DEVICES or not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    kind, cores, plat = ABSTRACT_DEVICES[platform]
+    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=plat)
+    mesh = AbstractMesh((1,), ("lowering",), axis_types=(AxisType.Explicit,),
+                        abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)

@@ -58,8 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
 
 def add_output_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--output-json", default=None,
-                        help=f"where to write results (default benchmarks/results/{kind}-<date>.json); "
-                             "the PNG goes next to it")
+                        help=f"where to write results (default benchmarks/results/{kind}-<dtype>-<date>-<commit>.json, "
+                             "-tpN/-dpM after the name when parallel, headline figures appended to "
+                             "benchmarks/results/history.csv); the PNG goes next to it")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
 
 
@@ -326,16 +327,43 @@ def device_info() -> dict:
     return info
 
 
-def default_output_json(kind: str) -> str:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join(RESULTS_DIR, f"{kind}-{stamp}.json")
+def git_commit() -> str:
+    """Short hash of the checkout the scripts run from, or ``nogit`` outside a git checkout."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "nogit"
+    commit = proc.stdout.strip()
+    return commit if proc.returncode == 0 and commit else "nogit"
 
 
-def write_json(path: str | None, kind: str, payload: dict) -> str:
-    """Write ``payload`` with benchmark name, date, versions and device; returns the path."""
-    path = path or default_output_json(kind)
+def result_name(kind: str, dtype: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                date: str | None = None, commit: str | None = None) -> str:
+    """``<benchmark>[-tpN][-dpM]-<dtype>-<date>-<commit>``: the stem of a result file's name.
+
+    Only the latest result of each kind stays in ``benchmarks/results/``; older headline figures
+    live on in ``history.csv`` (``scripts/bench_history.py``)."""
+    parallel = (f"-tp{tensor_parallel_size}" if tensor_parallel_size > 1 else "") + \
+               (f"-dp{data_parallel_size}" if data_parallel_size > 1 else "")
+    date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return f"{kind}{parallel}-{dtype}-{date}-{commit or git_commit()}"
+
+
+def default_output_json(kind: str, args, commit: str | None = None) -> str:
+    """``benchmarks/results/<result_name>.json`` for a run with the engine flags in ``args``."""
+    name = result_name(kind, args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                       data_parallel_size=getattr(args, "data_parallel_size", 1), commit=commit)
+    return os.path.join(RESULTS_DIR, name + ".json")
+
+
+def write_json(path: str, kind: str, payload: dict, commit: str | None = None) -> str:
+    """Write ``payload`` with benchmark name, date, commit, versions and device; returns the path."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     doc = {"benchmark": kind, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit or git_commit(),
            "command": " ".join([os.path.basename(sys.argv[0] or kind)] + sys.argv[1:]),
            "versions": versions(), "device": device_info(), **payload}
     with open(path, "w", encoding="utf-8") as f:
@@ -355,12 +383,30 @@ def _json_default(value):
 
 
 def write_results(args, kind: str, payload: dict, plot, plot_data, title: str) -> str:
-    """Write the JSON (and the PNG beside it unless --no-plot) and say where on stderr."""
-    path = write_json(args.output_json, kind, payload)
+    """Write the JSON (and the PNG beside it unless --no-plot) and say where on stderr.
+
+    Without --output-json the file is ``benchmarks/results/<benchmark>[-tpN][-dpM]-<dtype>-<date>-<commit>.json``
+    and its headline figures are appended to ``benchmarks/results/history.csv``."""
+    commit = git_commit()
+    path = write_json(args.output_json or default_output_json(kind, args, commit), kind, payload, commit)
     if not args.no_plot:
         plot(png_path(path), plot_data, title)
     print(f"wrote {path}" + ("" if args.no_plot else f" and {png_path(path)}"), file=sys.stderr)
+    if os.path.dirname(os.path.abspath(path)) == os.path.abspath(RESULTS_DIR):
+        append_history(path)
     return path
+
+
+def append_history(json_path: str) -> None:
+    """Append a result file's headline figures to ``benchmarks/results/history.csv``."""
+    scripts_dir = os.path.dirname(os.path.abspath(__file__))
+    if scripts_dir not in sys.path:
+        sys.path.insert(0, scripts_dir)
+    import bench_history
+
+    with open(json_path, encoding="utf-8") as f:
+        bench_history.append_rows(bench_history.headline_rows(json.load(f)))
+    print(f"appended its headline figures to {bench_history.HISTORY_CSV}", file=sys.stderr)
 
 
 def png_path(json_path: str) -> str:

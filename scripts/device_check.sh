@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
-# Accelerator check of jaxrunner's attention kernels: Pallas vs reference correctness, Pallas vs
-# XLA decode timing with achieved bandwidth, JSON into $OUT (default /tmp/device_check_out).
+# The one prepared accelerator run (see scripts/device_check.py for what it measures): JSON and log
+# into $OUT (default /tmp/device_check_out), rewritten after every section.
 #
-#   scripts/device_check.sh                  # GPU machine: full check (~2-4 min incl. compiles)
-#   scripts/device_check.sh --cpu-rehearsal  # any machine: tiny sizes, Pallas interpreted
+#   scripts/device_check.sh           # on the GPU machine: about 4 minutes on one H200
+#   scripts/device_check.sh --smoke   # any machine: CPU, tiny shapes, Pallas interpreted
 #
-# Extra arguments go to scripts/device_check.py (see --help). Works without installing the
-# package: device_check.py imports kernels/ as jaxrunner.kernels straight from this checkout.
+# Extra arguments go to scripts/device_check.py (--help). Works from a plain checkout: the script
+# imports jaxrunner (and kernels/ as jaxrunner.kernels) from it when the package is not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-/tmp/device_check_out}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-"$PY" - <<'PYEOF'
-import jax, sys
-print("python", sys.version.split()[0], "jax", jax.__version__, "devices", jax.devices(), flush=True)
-PYEOF
+"$PY" -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, "devices", jax.devices(), flush=True)'
 "$PY" scripts/device_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/device_check.log"
 exit "${PIPESTATUS[0]}"

@@ -75,7 +75,34 @@ def smollm2(gguf_path: str) -> dict:
             for tp, dp in ((1, 1), (3, 1), (1, 2), (3, 2))}
 
 
+def in_memory(model_dir: str) -> dict:
+    """Params already sharded for TP 2 served by ``LLM.from_params`` in place; a weight swap under TP 2
+    and under DP 2 × TP 2 compiles nothing."""
+    import jax
+
+    from jaxrunner import LLM, SamplingParams
+    from jaxrunner.models.loading.hf import read_hf_config
+
+    prompts = random_prompts(4, 512, 3, 40, seed=2)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    loaded = LLM(model_dir, **TINY_ENGINE, tensor_parallel_size=2)
+    config = read_hf_config(model_dir)
+    results = {"loaded": token_ids(loaded.generate(prompts, params, use_tqdm=False))}
+    for tp, dp in ((2, 1), (2, 2)):
+        served = LLM.from_params(loaded.params, config, **TINY_ENGINE, tensor_parallel_size=tp, data_parallel_size=dp)
+        same = [a is b for a, b in zip(jax.tree.leaves(served.params), jax.tree.leaves(loaded.params))]
+        tokens = token_ids(served.generate(prompts, params, use_tqdm=False))
+        new = jax.tree.map(lambda x: x * 1.5, loaded.params)
+        with count_compilations() as compiles:
+            served.update_weights(new)
+            swapped = token_ids(served.generate(prompts, params, use_tqdm=False))
+        results[f"tp{tp}_dp{dp}"] = {"tokens": tokens, "in_place": all(same), "swap_compiles": len(compiles),
+                                     "swapped_differs": swapped != tokens,
+                                     "sharded": len(served.params["embed"].sharding.device_set)}
+    return results
+
+
 if __name__ == "__main__":
     scenario, arg = sys.argv[1], sys.argv[2]
-    result = {"tiny": tiny, "smollm2": smollm2}[scenario](arg)
+    result = {"tiny": tiny, "smollm2": smollm2, "in_memory": in_memory}[scenario](arg)
     print(json.dumps(result))

@@ -130,6 +130,21 @@ def test_stop_string_trims_text(llm):
     assert stopped.text == out.text[: out.text.index(stop)]
 
 
+def test_stream_never_shows_part_of_a_stop_string(llm):
+    """A stop string that spans two tokens: the stream holds its first part back, then drops it."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    ends = [len(tokenizer.decode(out.token_ids[:i], skip_special_tokens=True)) for i in range(1, len(out.token_ids))]
+    # a token boundary whose two neighbouring characters first occur together right there
+    boundary = next(b for b in ends if 0 < b < len(out.text) and out.text.index(out.text[b - 1:b + 1]) == b - 1)
+    stop = out.text[boundary - 1:boundary + 1]
+    stopped = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    deltas = list(llm.stream("The quick brown fox", stopped))
+    # deltas are never taken back: had the stop's first character been streamed, it would be in the sum
+    assert "".join(deltas) == out.text[:boundary - 1]
+
+
 def test_stream_deltas_add_up(llm):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     full = llm.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0].text

@@ -181,6 +181,145 @@ def test_pallas_gqa_and_pages(impl, group, page_size, head_dim):
     check(run(impl, case, sm_scale=0.1), case, "float32", sm_scale=0.1)
 
 
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_pallas_split_kv(num_splits):
+    """Split-KV (grid segments merged by log-sum-exp) on a ragged batch with NaN-poisoned unowned
+    slots: segments that see no kv at all (short sequences, padded sequences, a window that
+    starts late) must merge to the same result."""
+    rng = np.random.default_rng(num_splits)
+    case = make_case(rng, [1, 1, 6, 1], [150, 3, 70, 33], num_q_heads=8, num_kv_heads=2,
+                     head_dim=64, page_size=8, num_tokens=12, max_seqs=6)
+    for attn in ({}, dict(sliding_window=20, soft_cap=5.0)):
+        fn = functools.partial(ragged_paged_attention_pallas, variant="gpu", interpret=True,
+                               block_k=16, num_splits=num_splits)
+        out = jax.jit(functools.partial(fn, sm_scale=0.1, **attn))(*case.args())
+        check(out, case, "float32", sm_scale=0.1, **attn)
+
+
+def test_pallas_split_kv_chosen_from_shapes_random_batches():
+    """Few programs and long page tables: the default picks a split; fuzzed ragged batches
+    (bf16 and float32, poisoned pages) still match the oracle."""
+    from jaxrunner.kernels.pallas_kernel import choose_num_splits
+    from jaxrunner.kernels.tolerance import attention_tolerance
+
+    assert choose_num_splits(2 * 2, 640 // 16) > 1
+    for seed in range(3):
+        rng = np.random.default_rng(100 + seed)
+        n = int(rng.integers(1, 4))
+        kv_lens = rng.integers(1, 640, n)
+        q_lens = [int(rng.integers(1, min(k, 9) + 1)) for k in kv_lens]
+        dtype = ("float32", "bfloat16")[seed % 2]
+        case = make_case(rng, q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                         page_size=16, width=40, num_tokens=sum(q_lens) + 2, max_seqs=n + 1,
+                         dtype=dtype)
+        fn = functools.partial(ragged_paged_attention_pallas, variant="gpu", interpret=True,
+                               block_k=16, sm_scale=0.2)
+        out = jax.jit(fn)(*case.args())
+        check(out, case, dtype, sm_scale=0.2)
+        # and against kernels/reference.py, within the tolerance the self-check uses
+        ref = ragged_paged_attention_reference(*[jnp.asarray(a) for a in case.args()], sm_scale=0.2)
+        n = case.num_live_tokens
+        err = np.abs(np.asarray(out, np.float32)[:n] - np.asarray(ref, np.float32)[:n]).max()
+        tol = attention_tolerance("pallas", dtype, max_abs_v=np.nanmax(np.abs(np.asarray(
+            case.v_pages, np.float32))), max_kv_len=int(max(kv_lens)))
+        assert err <= tol, (err, tol)
+
+
+def test_merge_splits_matches_one_softmax():
+    from jaxrunner.kernels.pallas_kernel import merge_splits
+
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((3, 40))                 # 3 rows x 40 scores, split 4 x 10
+    v = rng.standard_normal((40, 5))
+    p = np.exp(s - s.max(1, keepdims=True))
+    want = (p / p.sum(1, keepdims=True)) @ v
+    segs = s.reshape(3, 4, 10).transpose(1, 0, 2)    # [S, R, 10]
+    lse = np.log2(np.exp(segs).sum(-1))               # [S, R]
+    o = np.einsum("srk,skd->srd", np.exp(segs) / np.exp(segs).sum(-1, keepdims=True),
+                  v.reshape(4, 10, 5))
+    lse[1, 0] = -np.inf                               # an empty segment for row 0 ...
+    o[1, 0] = 0.0
+    got = np.asarray(merge_splits(jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)))
+    keep = np.r_[0:10, 20:40]                         # ... drops its scores from row 0
+    p0 = np.exp(s[0, keep] - s[0, keep].max())
+    want[0] = (p0 / p0.sum()) @ v[keep]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    all_empty = merge_splits(jnp.zeros((2, 1, 4)), jnp.full((2, 1), -jnp.inf))
+    assert np.all(np.asarray(all_empty) == 0)
+
+
+def test_jax_tpu_layout_adapter():
+    """jax's TPU kernel reads one K/V-interleaved pool: the batch's pages gathered into it, with
+    the page table renumbered, give the same attention (checked through jax's own reference for
+    that kernel; the kernel itself runs only on a TPU and is covered by lowering tests)."""
+    from jaxrunner.kernels import jax_tpu
+
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [1, 5, 2], [33, 16, 40], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                     page_size=8, num_tokens=10, max_seqs=5, poison=False)
+    pool, local = jax_tpu.combined_pages(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
+                                         case.page_indices)
+    assert pool.shape == (5 * case.page_indices.shape[1], 8, 4, 128)
+    out = ref_ragged_paged_attention(jnp.asarray(case.q), pool, jnp.asarray(case.kv_lens), local,
+                                     jnp.asarray(case.cu_q_lens), jnp.asarray([3], jnp.int32),
+                                     sm_scale=0.1)
+    want = dense_attention_f64(case, sm_scale=0.1)
+    n = case.num_live_tokens
+    np.testing.assert_allclose(np.asarray(out)[:n], want[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_xla_chunks_sized_for_the_platform():
+    """CPU: chunks that fit a core's L2; GPU/TPU: far fewer, larger loop steps."""
+    from jaxrunner.kernels.xla import _chunk_rows
+
+    assert _chunk_rows(64, 8 * 128, "dot", "cpu") == 8          # 64 blocks x 8 heads x 128: 2 MB
+    assert _chunk_rows(1, 8 * 128, "blockdiag", "cpu") == 64
+    assert _chunk_rows(64, 8 * 128, "dot", "gpu") == 256        # 64 MB
+    assert _chunk_rows(1, 8 * 128, "blockdiag", "tpu") == 1024
+
+
+def test_tolerance_follows_the_dot_precision():
+    """The self-check tolerance for a float32 cache admits full-precision kernels and refuses
+    TF32-rounded inputs (what the GPU kernel did before it asked for HIGHEST dots)."""
+    from jaxrunner.kernels.tolerance import attention_tolerance
+
+    rng = np.random.default_rng(4)
+    case = make_case(rng, [1, 6], [300, 200], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, num_tokens=8, max_seqs=3)
+    want = dense_attention_f64(case, sm_scale=0.125)[:7]
+    tol = attention_tolerance("xla", jnp.float32, max_abs_v=float(np.nanmax(np.abs(case.v_pages))),
+                              max_kv_len=300, platform="gpu")
+    got = np.asarray(run("xla", case, sm_scale=0.125))[:7]
+    assert np.abs(got - want).max() <= tol
+
+    def tf32(x):  # round to TF32's 10 explicit mantissa bits
+        bits = np.asarray(x, np.float32).view(np.uint32)
+        return ((bits + 0x1000) & 0xFFFFE000).view(np.float32)
+
+    rounded = make_case(np.random.default_rng(4), [1, 6], [300, 200], num_q_heads=8,
+                        num_kv_heads=2, head_dim=64, page_size=16, num_tokens=8, max_seqs=3)
+    rounded.q, rounded.k_pages, rounded.v_pages = (tf32(rounded.q), tf32(rounded.k_pages),
+                                                   tf32(rounded.v_pages))
+    assert np.abs(dense_attention_f64(rounded, sm_scale=0.125)[:7] - want).max() > tol
+    bf16 = attention_tolerance("pallas", jnp.bfloat16, max_abs_v=4.0, max_kv_len=300)
+    assert 1e-2 < bf16 < 0.1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_start_up_self_check_passes_the_pallas_kernel(dtype):
+    """The warm-up self-check's tolerance (from dtype and dot precision) admits the GPU kernel,
+    split-KV included, on a random bucket-shaped batch (interpreted here)."""
+    from jaxrunner.runner.buckets import Bucket
+    from jaxrunner.runner.warmup import attention_self_check
+
+    error = attention_self_check("pallas", Bucket(16, 4, 8), 8, 4, 2, 64, dtype, jax.random.key(3), 2)
+    assert error <= (1e-5 if dtype == jnp.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("block_q", [1, 4, 32])
 def test_xla_any_block_and_chunk_size(block_q):
     """Every (block_q, formulation, page-chunk) combination, incl. loops that start late
@@ -363,8 +502,14 @@ def test_resolve_impl():
     assert kernels.resolve_impl() == cpu_choice  # this test machine is CPU-only
     assert kernels.resolve_impl("auto", "cpu") == cpu_choice
     assert kernels.resolve_impl("auto", "cpu", head_dim=72) == "xla"  # native needs head_dim % 16 == 0
-    for plat in ("gpu", "cuda", "tpu"):
+    for plat in ("gpu", "cuda"):
         assert kernels.resolve_impl("auto", plat) == "pallas"
+        assert kernels.resolve_impl("auto", plat, head_dim=128) == "pallas"
+        impl, why = kernels.choose_impl("auto", plat, head_dim=96)  # Triton tiles: powers of two
+        assert impl == "xla" and "96" in why
+    assert kernels.resolve_impl("auto", "tpu", head_dim=128) == "jax_tpu"
+    impl, why = kernels.choose_impl("auto", "tpu", head_dim=64)  # jax's TPU kernel: D % 128 == 0
+    assert impl == "pallas" and "64" in why
     for impl in kernels.IMPLS:
         assert kernels.resolve_impl(impl, "tpu") == impl
     with pytest.raises(ValueError):

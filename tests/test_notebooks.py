@@ -26,7 +26,8 @@ def shared_cache_dir() -> str:
 def test_notebooks_exist_and_are_clean():
     """Three notebooks, committed without outputs (so diffs stay readable)."""
     nbformat = pytest.importorskip("nbformat")
-    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_paged_kv_cache.ipynb", "03_benchmarks.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_paged_kv_cache.ipynb", "03_benchmarks.ipynb",
+                                            "04_rl_weight_updates.ipynb"]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)

@@ -112,6 +112,17 @@ def test_tensor_and_data_parallel_equal_one_device(gqa_8_2_checkpoint):
     assert "asks for 16 devices, but only 8 cpu device(s) exist" in results["error_too_many"]
 
 
+def test_in_memory_params_sharded_for_tensor_parallelism(gqa_8_2_checkpoint):
+    """LLM.from_params on params already sharded over 2 devices: served in place (no host round
+    trip), the same tokens, and a weight swap that compiles nothing (also with 2 replicas)."""
+    results = _run_worker("in_memory", gqa_8_2_checkpoint)
+    for name in ("tp2_dp1", "tp2_dp2"):
+        assert results[name]["tokens"] == results["loaded"], name
+        assert results[name]["swap_compiles"] == 0 and results[name]["swapped_differs"], name
+        assert results[name]["sharded"] == 2, name
+    assert results["tp2_dp1"]["in_place"]
+
+
 @pytest.mark.slow
 @requires_smollm2
 def test_smollm2_tensor_and_data_parallel_equal_one_device():

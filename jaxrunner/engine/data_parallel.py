@@ -12,17 +12,19 @@ import dataclasses
 import jax
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.engine import LLMEngine
+from jaxrunner.engine.engine import LLMEngine, ValidRequest, _check_owner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
+from jaxrunner.runner import weights
 
 
-def create_engine(config: EngineConfig):
-    """The engine a config asks for: one ``LLMEngine``, or a ``DataParallelEngine`` of several."""
+def create_engine(config: EngineConfig, model: LoadedModel | None = None):
+    """The engine a config asks for: one ``LLMEngine``, or a ``DataParallelEngine`` of several.
+    ``model``: already loaded (onto the first replica's mesh) instead of read from ``config.model``."""
     if config.data_parallel_size == 1:
-        return LLMEngine(config)
-    return DataParallelEngine(config)
+        return LLMEngine(config, model, None if model is None else model.mesh)
+    return DataParallelEngine(config, model)
 
 
 def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
@@ -36,7 +38,7 @@ def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
 class DataParallelEngine:
     """``data_parallel_size`` LLMEngines behind the engine API (add_request / step / abort)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         distributed.initialize_from_env()  # before any device is touched, as in LLMEngine
         meshes.check_device_count(tp, dp)
@@ -47,9 +49,11 @@ class DataParallelEngine:
         self.config = config
         self.mesh = meshes.build_mesh(tp, dp)
         rows = meshes.replica_meshes(self.mesh)
-        base = load_model(config.model, config.dtype, progress=config.progress, mesh=rows[0])
+        base = model if model is not None else load_model(config.model, config.dtype, progress=config.progress,
+                                                          mesh=rows[0])
         self.replicas = [LLMEngine(config, _on_mesh(base, row), row) for row in rows]
         self._replica_of: dict[str, LLMEngine] = {}
+        self.owner_thread = None  # set while an engine loop owns the engine (see LLMEngine.check_caller)
 
     # the single-engine attributes front ends read, from the first replica (all are alike)
     @property
@@ -71,12 +75,15 @@ class DataParallelEngine:
                       replica_compile_s_total=[r.startup_report["compile_s_total"] for r in self.replicas])
         return report
 
-    def check_sampling_params(self, params) -> None:
-        """``LLMEngine.check_sampling_params``: every replica serves the same model."""
-        self.replicas[0].check_sampling_params(params)
+    def validate_request(self, prompt, sampling_params=None) -> ValidRequest:
+        return self.replicas[0].validate_request(prompt, sampling_params)  # replicas share model and limits
+
+    def check_caller(self) -> None:
+        _check_owner(self)
 
     def add_request(self, request_id: str, prompt, sampling_params=None) -> None:
         """Queue on the least-loaded replica (fewest unfinished requests; ties to the lowest index)."""
+        self.check_caller()
         request_id = str(request_id)
         if request_id in self._replica_of:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -85,6 +92,7 @@ class DataParallelEngine:
         self._replica_of[request_id] = replica
 
     def abort_request(self, request_id: str) -> None:
+        self.check_caller()
         replica = self._replica_of.pop(str(request_id), None)
         if replica is not None:
             replica.abort_request(request_id)
@@ -96,6 +104,7 @@ class DataParallelEngine:
         return sum(r.num_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
+        self.check_caller()
         pending = [replica.launch_step() for replica in self.replicas]  # all dispatched before any wait
         outputs = []
         for replica, launched in zip(self.replicas, pending):
@@ -104,6 +113,19 @@ class DataParallelEngine:
             if output.finished:
                 self._replica_of.pop(output.request_id, None)
         return outputs
+
+    @property
+    def params(self):
+        return self.replicas[0].params
+
+    def update_weights(self, params, abort_in_flight: bool = False) -> None:
+        """Every replica serves ``params`` (see ``LLMEngine.update_weights``); all are checked first."""
+        for replica in self.replicas:
+            weights.check_like(params, replica.params)
+        for replica in self.replicas:
+            replica.update_weights(params, abort_in_flight)
+        if abort_in_flight:
+            self._replica_of.clear()
 
     def stats(self) -> dict:
         per_replica = [r.stats() for r in self.replicas]

@@ -19,6 +19,8 @@ import dataclasses
 import itertools
 import logging
 import math
+import numbers
+import threading
 
 import jax
 
@@ -32,6 +34,7 @@ from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_params_int8
 from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
+from jaxrunner.runner import weights
 from jaxrunner.runner.batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, pack_step
 from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.sampling_params import SamplingParams
@@ -52,6 +55,43 @@ class _Tracked:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed ``LLMEngine.validate_request``: its text, its tokens and its params."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+def _token_id_list(token_ids) -> list[int]:
+    """``prompt_token_ids`` as a list of ints (a list, tuple or 1-D integer array); floats, bools,
+    strings and scalars are refused."""
+    if hasattr(token_ids, "tolist"):  # numpy / jax arrays
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids: expected a list of ints, got {type(token_ids).__name__}")
+    for index, token in enumerate(token_ids):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+            raise ValueError(f"prompt_token_ids: element {index} is {token!r} ({type(token).__name__}); "
+                             f"token ids must be ints")
+    return [int(t) for t in token_ids]
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"prompt: not valid Unicode text ({err.reason} at index {err.start})") from None
+
+
+def _check_owner(engine) -> None:
+    owner = engine.owner_thread
+    if owner is not None and owner is not threading.current_thread():
+        raise RuntimeError(f"{type(engine).__name__}: an engine loop (LLM or AsyncLLM) is serving requests on "
+                           f"this engine; submit through it, or wait until its calls have returned")
 
 
 @dataclasses.dataclass
@@ -93,6 +133,7 @@ class LLMEngine:
         self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
         self.num_steps = 0
         self._in_flight: _PendingStep | None = None  # async scheduling: dispatched, not yet waited for
+        self.owner_thread: threading.Thread | None = None  # set while an engine loop owns the engine
 
     @classmethod
     def from_config(cls, **kwargs) -> "LLMEngine":
@@ -105,13 +146,31 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     # ------------------------------------------------------------------ requests in
+    def validate_request(self, prompt, sampling_params: SamplingParams | None = None) -> ValidRequest:
+        """Check and tokenize one request without touching the engine's state (safe from any thread).
+
+        Every front end (``LLM``, ``AsyncLLM``, the HTTP server) validates all the requests of a call
+        with this before it adds any, so a bad one leaves nothing behind."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        self.check_sampling_params(params)
+        if params.n != 1:
+            raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
+        text, token_ids = self._prompt_token_ids(prompt)
+        self._validate_prompt(token_ids)
+        return ValidRequest(text, token_ids, params)
+
     def _prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt.get("prompt")
+                return prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError(f"prompt: a prompt dict needs 'prompt' or 'prompt_token_ids', got keys "
+                                 f"{sorted(map(str, prompt))}")
+            prompt = prompt["prompt"]
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError(f"prompt: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+                             f"got {type(prompt).__name__}")
+        _check_unicode(prompt)
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
         return prompt, list(self.tokenizer.encode(prompt))
@@ -178,16 +237,17 @@ class LLMEngine:
         return sequences
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
-        """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        self.check_sampling_params(params)
-        if params.n != 1:
-            raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
+        """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched.
+
+        ``prompt`` may be a ``ValidRequest`` from ``validate_request`` (its ``sampling_params`` win).
+        While an engine loop (``LLM``/``AsyncLLM``) owns the engine, only the loop's thread may call
+        ``add_request``/``step``/``abort_request``; others get a ``RuntimeError``."""
+        self.check_caller()
+        valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params)
         request_id = str(request_id)
         if request_id in self._tracked:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        text, token_ids = self._prompt_token_ids(prompt)
-        self._validate_prompt(token_ids)
+        params, token_ids = valid.sampling_params, valid.prompt_token_ids
         arrival = next(self._arrivals)
         # Unseeded requests get a seed derived from the engine's, so a run is reproducible.
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & (2**64 - 1)
@@ -197,11 +257,18 @@ class LLMEngine:
                           bad_words_token_ids=self._bad_words_token_ids(params))
         self.scheduler.add(request)
         self._tracked[request_id] = _Tracked(
-            request, text, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop),
+            request, valid.prompt, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                                          params.stop,
+                                                          getattr(params, "include_stop_str_in_output", False)),
             max_tokens, [] if params.logprobs is not None else None,
             [None] * len(token_ids) if params.prompt_logprobs is not None else None)
 
+    def check_caller(self) -> None:
+        """Refuse a call from outside the engine loop's thread while a loop owns this engine."""
+        _check_owner(self)
+
     def abort_request(self, request_id: str) -> None:
+        self.check_caller()
         if self._tracked.pop(str(request_id), None) is not None:
             self.scheduler.abort(str(request_id))
 
@@ -211,6 +278,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one step and return its outputs (async scheduling: the next one is already running)."""
+        self.check_caller()
         current = self._in_flight or self.launch_step()
         self._in_flight = None
         if current is not None and self._async_enabled() and self._can_plan_behind():
@@ -281,18 +349,17 @@ class LLMEngine:
         tracked = self._tracked[request.request_id]
         token = int(sampled["tokens"][row])
         request.append_output(token)
-        text_before = len(tracked.detokenizer.text)
-        tracked.detokenizer.append(token)
+        delta_len = tracked.detokenizer.append(token)
         logprob = float(sampled["logprobs"][row])
         tracked.cumulative_logprob += logprob
         if tracked.logprobs is not None:
             tracked.logprobs.append(self._logprobs_dict(
                 token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
                 sampled["top_ids"][row], sampled["top_logprobs"][row]))
-        reason = self._finish_reason(tracked, token, len(tracked.detokenizer.text) - text_before)
+        reason = self._finish_reason(tracked, token, delta_len)
         if reason is not None:
             self.scheduler.finish(request, reason)
-        output = self._output(tracked, tracked.detokenizer.text[text_before:])
+        output = self._output(tracked, tracked.detokenizer.take_delta(finished=reason is not None))
         if reason is not None:
             del self._tracked[request.request_id]
         return output
@@ -342,12 +409,39 @@ class LLMEngine:
     def _output(self, tracked: _Tracked, delta: str) -> RequestOutput:
         request = tracked.request
         completion = CompletionOutput(
-            index=0, text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
+            index=0, text=tracked.detokenizer.output_text, token_ids=list(request.output_token_ids),
             cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
             finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
         return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              delta_text=delta, prompt_logprobs=tracked.prompt_logprobs)
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def params(self):
+        """The params pytree being served (device arrays on the engine's mesh)."""
+        return self.runner.params
+
+    def update_weights(self, params, abort_in_flight: bool = False) -> None:
+        """Serve ``params`` from the next step on; same leaves, shapes and dtypes as ``self.params``.
+
+        Nothing compiles: the executables take the params as an argument. Leaves on other devices
+        or shardings are copied onto the engine's (device to device). Requests in flight continue
+        on the new weights with the KV they already have, unless ``abort_in_flight``. The prefix
+        cache is emptied: its KV was computed by the old weights. A mismatch raises ``ValueError``
+        naming the leaf, and the old weights stay in service.
+        """
+        if self.config.quantization is not None:
+            raise ValueError(f"update_weights: not supported with quantization={self.config.quantization!r} "
+                             "(the served leaves are quantized; start the engine unquantized)")
+        weights.check_like(params, self.runner.params)
+        placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.params))
+        if abort_in_flight:
+            for request_id in list(self._tracked):
+                self.abort_request(request_id)
+        self.runner.params = placed
+        self.model = dataclasses.replace(self.model, params=placed)
+        self.scheduler.invalidate_prefix_cache()
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> dict:

@@ -62,6 +62,8 @@ class PageAllocator:
         # request_id -> chained hash of each of its registered (full, computed) pages, in order.
         # Its length says how many of the request's pages are already registered.
         self._page_hashes: dict[str, list[int]] = {}
+        # Requests whose KV was partly computed by weights no longer served: never registered.
+        self._stale_requests: set[str] = set()
 
     # -- sizes --------------------------------------------------------------------------------
 
@@ -174,7 +176,7 @@ class PageAllocator:
         (two requests computed the same prefix at once), the first one stays the cached copy and
         this one is simply freed as a plain page later.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.request_id in self._stale_requests:
             return
         hashes = self._page_hashes.setdefault(request.request_id, [])
         num_full_pages = min(request.num_computed_tokens, request.num_tokens) // self.page_size
@@ -201,6 +203,20 @@ class PageAllocator:
             self._release_page(page)
         request.page_ids = []
         self._page_hashes.pop(request.request_id, None)
+        self._stale_requests.discard(request.request_id)
+
+    def invalidate_prefix_cache(self, live_request_ids: Iterable[str]) -> None:
+        """Forget every cached page: the weights that computed their KV are no longer served.
+
+        Pages held by the ``live_request_ids`` stay theirs (they finish on what they have), but
+        neither those pages nor any their requests fill later are registered again: all of them
+        hold or attend to KV of the old weights. Evictable pages become plain free pages.
+        """
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_by_key.clear()
+        self._key_of_page = [None] * self.num_pages
+        self._stale_requests.update(live_request_ids)
 
     # -- page states --------------------------------------------------------------------------
 

@@ -167,6 +167,10 @@ class Scheduler:
             self.finish(request, "abort")
         return request
 
+    def invalidate_prefix_cache(self) -> None:
+        """New weights: no cached page may be reused (see ``PageAllocator.invalidate_prefix_cache``)."""
+        self.allocator.invalidate_prefix_cache(request.request_id for request in self.running)
+
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 

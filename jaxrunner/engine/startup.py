@@ -65,7 +65,8 @@ def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KV
     largest = max(plan.buckets())
     spec = dataclasses.replace(template, num_pages=largest.num_seqs * largest.num_pages + 1)
     runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh,
-                         max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs)
+                         max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs,
+                         architecture=model.architecture)
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
                                       model.config.vocab_size, max_model_len, config.max_num_prefill_seqs)
     return int(runner.compile(largest, batch).get("temp_bytes", 0))
@@ -111,7 +112,8 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
     spec = dataclasses.replace(template, num_pages=num_pages)
     runner = ModelRunner(cfg, model.params, spec, impl, mesh=mesh, max_prefill_seqs=config.max_num_prefill_seqs,
-                         max_seqs_per_step=max(bucket.num_seqs for bucket in plan.buckets()))
+                         max_seqs_per_step=max(bucket.num_seqs for bucket in plan.buckets()),
+                         architecture=model.architecture)
     t_alloc = time.perf_counter()
 
     key = jax.random.key(config.seed)

@@ -7,6 +7,7 @@ reference in tests, the paged kernels in the engine. Layers are unrolled in Pyth
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -169,3 +170,16 @@ def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     if cfg.tie_word_embeddings:
         return matmul_f32_acc(hidden, params["embed"], contract=(-1, 1))
     return matmul_f32_acc(hidden, params["lm_head"])
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaArchitecture:
+    """The Llama-family functions the runner calls, bound to one config."""
+
+    cfg: ModelConfig
+
+    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None):
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, all_rows)
+
+    def compute_logits(self, params, hidden):
+        return compute_logits(params, self.cfg, hidden)

@@ -30,6 +30,7 @@ class LoadedModel:
     load_seconds: float
     mesh: object = None          # the jax.sharding.Mesh the params live on (None: default device)
     kv_head_replication: int = 1  # >1: each KV head was copied onto this many tensor-parallel shards
+    architecture: object = None   # forward/compute_logits over params; None: the Llama family of ``config``
 
     @property
     def num_params(self) -> int:

@@ -109,6 +109,20 @@ def build_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, sourc
     return params
 
 
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every leaf of the params pytree that ``build_params`` makes for ``cfg``."""
+    d, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layer = {"attn_norm": (d,), "wqkv": (d, qkv), "wo": (cfg.q_size, d), "mlp_norm": (d,),
+             "w_gate_up": (d, 2 * inter), "w_down": (inter, d)}
+    if cfg.attention_bias:
+        layer["bqkv"] = (qkv,)
+    shapes = {"embed": (vocab, d), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, vocab)
+    return shapes
+
+
 def cast_params(params, dtype, shardings=None) -> dict:
     """Place every leaf as ``dtype`` (norm weights included, as HF does): on the default device, or
     by ``shardings`` (a pytree of ``jax.sharding.Sharding`` matching ``params``), in which case each

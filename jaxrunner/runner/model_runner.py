@@ -27,26 +27,28 @@ from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner import sampler
 
 
-def model_step(params, kv_cache, batch, feed, *, cfg: ModelConfig, attention):
+def model_step(params, kv_cache, batch, feed, *, architecture, attention):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
-    Token slots with ``feed_rows >= 0`` take their id from ``feed`` (the previous step's sampled
-    tokens); the returned feed holds this step's, padded to the same fixed length.
+    ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (the
+    built-in Llama family, or a user's Flax NNX module). Token slots with ``feed_rows >= 0`` take
+    their id from ``feed`` (the previous step's sampled tokens); the returned feed holds this
+    step's, padded to the same fixed length.
 
     Prompt logprobs: rows whose ``prompt_targets`` name a token (the next prompt token) get its
-    logprob, rank and the top logprobs. Only a batch with such a row runs the last layer on every
-    row and the vocabulary projection over them (``lax.cond``); others get zeros.
+    logprob, rank and the top logprobs. Only a batch with such a row computes every row's final
+    hidden state and the vocabulary projection over them (``lax.cond``); others get zeros.
     """
     fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
     token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
     targets = batch["prompt_targets"]
     wants_prompt_logprobs = jnp.any(targets >= 0)
-    hidden, kv_cache, every_row = llama.forward(params, cfg, token_ids, batch["positions"], kv_cache, batch,
-                                                attention, rows=batch["logits_indices"],
-                                                all_rows=wants_prompt_logprobs)
-    logits = llama.compute_logits(params, cfg, hidden)
+    hidden, kv_cache, every_row = architecture.forward(params, token_ids, batch["positions"], kv_cache, batch,
+                                                       attention, rows=batch["logits_indices"],
+                                                       all_rows=wants_prompt_logprobs)
+    logits = architecture.compute_logits(params, hidden)
     sampled = sampler.sample(logits, batch["sampling"])
-    logits_of = functools.partial(llama.compute_logits, params, cfg)
+    logits_of = functools.partial(architecture.compute_logits, params)
     sampled.update(jax.lax.cond(wants_prompt_logprobs,
                                 lambda h: sampler.prompt_logprobs(logits_of, h, targets),
                                 lambda h: sampler.empty_prompt_logprobs(h.shape[0]), every_row))
@@ -92,8 +94,9 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
-                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512):
-        """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed)."""
+                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None):
+        """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed);
+        ``architecture``: the model functions (default: the Llama family for ``cfg``)."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
@@ -105,7 +108,8 @@ class ModelRunner:
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool, pool)] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
-        step = functools.partial(model_step, cfg=cfg, attention=attention)
+        architecture = architecture if architecture is not None else llama.LlamaArchitecture(cfg)
+        step = functools.partial(model_step, architecture=architecture, attention=attention)
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
             self._jitted_step = jax.jit(step, donate_argnums=(1,))  # compile time (~10% measured)
         else:

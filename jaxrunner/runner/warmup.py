@@ -191,8 +191,14 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     """Compare the serving attention impl with the reference on a random case of ``bucket``'s shape.
 
     Catches a kernel that miscompiles on new hardware before any request sees it. Returns the max
-    abs difference (raises StartupError when it is too large).
+    abs difference; raises StartupError when it exceeds the tolerance that the cache dtype and the
+    precision of the impl's dots allow (``kernels.tolerance.attention_tolerance``: a multiple of
+    the dot format's unit roundoff times max|v|, plus float32 accumulation over the longest
+    sequence): about 1e-6 for float32 caches on full-precision dots, 2e-3 on TF32, 0.07 for
+    bfloat16 caches.
     """
+    from jaxrunner.kernels.tolerance import attention_tolerance
+
     dummy = random_dummy_batch(key, bucket, page_size, bucket.num_seqs * bucket.num_pages + 1, 64, 1 << 30,
                                max_prefill_seqs)
     num_pages = bucket.num_seqs * bucket.num_pages + 1
@@ -208,10 +214,11 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
             *a, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs))
         outs[name] = np.asarray(fn(*args), np.float32)[: int(dummy["cu_q_lens"][-1])]
     error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
-    tolerance = 1e-3 if jnp.dtype(dtype) == jnp.float32 else 5e-2
+    tolerance = attention_tolerance(impl, dtype, max_abs_v=float(jnp.max(jnp.abs(v_pages.astype(jnp.float32)))),
+                                    max_kv_len=int(np.max(dummy["kv_lens"], initial=1)))
     if not np.isfinite(error) or error > tolerance:
         raise StartupError(f"attention self-check failed: impl {impl!r} differs from the reference by "
-                           f"{error:.3g} (tolerance {tolerance}) on bucket {bucket}")
+                           f"{error:.3g} (tolerance {tolerance:.3g} for {jnp.dtype(dtype).name}) on bucket {bucket}")
     return error
 
 

@@ -1,0 +1,271 @@
+"""EngineLoop: one thread owns an engine; any number of callers submit to it and get their own outputs.
+
+Callers (``LLM`` from any thread, ``AsyncLLM`` from an event loop, the HTTP server) validate their
+requests on their own thread, then ``submit`` each with a *sink*: a callable that receives every
+``RequestOutput`` of that request, or the exception that ended it. The loop thread is the only caller
+of the engine's ``add_request``/``step``/``abort_request``: it drains new submissions and aborts,
+runs one ``engine.step()`` (async scheduling keeps one step in flight, as before), and hands each
+output to its request's sink. Outputs of a request nobody submitted here are never produced: the loop
+refuses to take an engine that holds requests added directly (``engine.add_request``), and while it
+owns the engine, direct calls from other threads raise (``LLMEngine.check_caller``).
+
+The thread sleeps on a condition when it has nothing to do and exits after ``idle_exit_s`` of idleness,
+handing the engine back, so an ``LLM`` that is not generating holds no thread; the next submission
+starts a new one.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Callable
+
+from jaxrunner.outputs import RequestOutput
+
+logger = logging.getLogger("jaxrunner")
+
+Sink = Callable[[object], None]  # receives RequestOutput, or the exception that ended the request
+
+
+@dataclasses.dataclass
+class _Submission:
+    request_id: str
+    request: object  # the engine's ValidRequest
+    sink: Sink
+
+
+@dataclasses.dataclass
+class LoopStats:
+    """A snapshot the loop thread publishes after each step (read by metrics and admission control)."""
+
+    running: int = 0
+    waiting: int = 0
+    pages_in_use: int = 0
+    pages_total: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine, idle_exit_s: float = 2.0):
+        self.engine = engine
+        self.idle_exit_s = idle_exit_s
+        self._cond = threading.Condition()
+        self._submissions: collections.deque[_Submission] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._calls: collections.deque[tuple[Callable, concurrent.futures.Future]] = collections.deque()
+        self._sinks: dict[str, Sink] = {}      # requests submitted and not finished or aborted
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._closing = False
+        self.stats = LoopStats()
+
+    # ------------------------------------------------------------------ callers' side (any thread)
+    def validate(self, prompt, sampling_params=None):
+        """The engine's checks and tokenization, on the caller's thread; raises ``ValueError``."""
+        return self.engine.validate_request(prompt, sampling_params)
+
+    def new_request_id(self) -> str:
+        """An id no request of this loop has (for callers that need ids before they submit)."""
+        with self._cond:
+            return f"req-{next(self._ids)}"
+
+    def submit(self, request, sink: Sink, request_id: str | None = None) -> str:
+        """Queue a validated request (``validate``'s result); its outputs go to ``sink``. Returns its id."""
+        with self._cond:
+            request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+            if request_id in self._sinks:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._sinks[request_id] = sink
+            self._submissions.append(_Submission(request_id, request, sink))
+            self._ensure_thread()
+            self._cond.notify()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages are freed by the loop's next iteration. Unknown ids are ignored."""
+        with self._cond:
+            if self._sinks.pop(request_id, None) is None:
+                return
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def run_on_engine(self, fn: Callable):
+        """``fn(engine)`` between two steps, and its result (or its exception). On the loop thread when
+        the loop owns the engine; else right here, holding the lock the loop takes the engine under,
+        so no step can start meanwhile."""
+        with self._cond:
+            if self.engine.owner_thread is None:
+                return fn(self.engine)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._calls.append((fn, future))
+            self._ensure_thread()
+            self._cond.notify()
+        return future.result()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Abort every request (their callers get a ``RuntimeError``) and wait for the thread to end,
+        so a process can exit without a step in flight. Later submissions start the loop again."""
+        with self._cond:
+            sinks, self._sinks = self._sinks, {}
+            self._aborts.extend(sinks)
+            self._closing = True
+            thread = self._thread
+            self._cond.notify()
+        for sink in sinks.values():
+            _call(sink, RuntimeError("the engine loop was closed (server shutting down)"))
+        if thread is not None:
+            thread.join(timeout_s)
+        with self._cond:
+            self._closing = False
+
+    def num_requests(self) -> int:
+        """Requests submitted here and not yet finished or aborted."""
+        with self._cond:
+            return len(self._sinks)
+
+    # ------------------------------------------------------------------ the loop thread
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="jaxrunner-engine-loop", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            work = self._wait_for_work()
+            if work is None:
+                return
+            submissions, aborts, calls = work
+            with self._cond:
+                took = self._take_engine()
+            if not took:
+                refusal = ("the engine holds requests added with engine.add_request; step them to completion "
+                           "(engine.step()) or abort them before generating through LLM/AsyncLLM")
+                for submission in submissions:
+                    self._fail(submission.request_id, RuntimeError(refusal))
+                for _, future in calls:
+                    future.set_exception(RuntimeError(refusal))
+                continue
+            for request_id in aborts:
+                self.engine.abort_request(request_id)
+            for submission in submissions:
+                self._add(submission)
+            self._run_calls(calls)
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._publish_stats()
+            with self._cond:
+                self._release_if_done()
+
+    def _wait_for_work(self):
+        """Sleep until there is something to do; hand the engine back and return None after
+        ``idle_exit_s`` with nothing to do (the thread then ends)."""
+        with self._cond:
+            deadline = None
+            while not (self._submissions or self._aborts or self._calls or self._engine_busy()):
+                if deadline is None:
+                    deadline = time.monotonic() + self.idle_exit_s
+                remaining = 0 if self._closing else deadline - time.monotonic()
+                if remaining <= 0:
+                    self._thread = None
+                    return None
+                self._cond.wait(remaining)
+            submissions, aborts, calls = list(self._submissions), list(self._aborts), list(self._calls)
+            self._submissions.clear()
+            self._aborts.clear()
+            self._calls.clear()
+            return submissions, aborts, calls
+
+    def _release_if_done(self) -> None:
+        """With none of the loop's requests left, direct engine use is allowed again. Called under the
+        lock before a request's last output is handed over, so its caller sees the engine free."""
+        if not (self._sinks or self._submissions or self._aborts):
+            self.engine.owner_thread = None
+
+    def _engine_busy(self) -> bool:
+        return self.engine.owner_thread is threading.current_thread() and self.engine.has_unfinished_requests()
+
+    def _take_engine(self) -> bool:
+        """Own the engine, unless it holds requests added directly (``engine.add_request``): the loop
+        would step them with no one to receive their outputs, so it refuses rather than consume them."""
+        me = threading.current_thread()
+        if self.engine.owner_thread is not me:
+            if self.engine.num_unfinished_requests():
+                return False
+            self.engine.owner_thread = me
+        return True
+
+    def _run_calls(self, calls) -> None:
+        for fn, future in calls:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as err:  # the caller gets it; the loop goes on
+                future.set_exception(err)
+
+    def _add(self, submission: _Submission) -> None:
+        with self._cond:
+            if self._sinks.get(submission.request_id) is not submission.sink:
+                return  # aborted before it was added
+        try:
+            self.engine.add_request(submission.request_id, submission.request)
+        except Exception as err:  # e.g. a request that can never fit the page pool
+            self._fail(submission.request_id, err)
+            return
+        self._prompt_tokens += len(submission.request.prompt_token_ids)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # one failed step fails its requests, never the loop
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_all(err)
+            return
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._cond:
+            sink = self._sinks.pop(output.request_id, None) if output.finished else self._sinks.get(output.request_id)
+            self._release_if_done()
+        if sink is not None:
+            _call(sink, output)
+
+    def _fail(self, request_id: str, err: BaseException) -> None:
+        with self._cond:
+            sink = self._sinks.pop(request_id, None)
+            self._release_if_done()
+        if sink is not None:
+            _call(sink, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._cond:
+            sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine is already in trouble; the caller hears about err
+                logger.exception("abort of %s after a failed step", request_id)
+            _call(sink, err)
+
+    def _publish_stats(self) -> None:
+        replicas = getattr(self.engine, "replicas", [self.engine])
+        schedulers = [r.scheduler for r in replicas]
+        self.stats = LoopStats(
+            running=sum(len(s.running) for s in schedulers),
+            waiting=sum(len(s.waiting) for s in schedulers) + len(self._submissions),
+            pages_in_use=sum(s.allocator.num_used_pages for s in schedulers),
+            pages_total=sum(s.allocator.num_usable_pages for s in schedulers),  # page 0 is scratch
+            prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in schedulers),
+            prompt_tokens=self._prompt_tokens)
+
+
+def _call(sink: Sink, item) -> None:
+    try:
+        sink(item)
+    except Exception:  # a caller that went away (closed event loop) must not stop the loop
+        logger.debug("an output sink failed", exc_info=True)

@@ -1,0 +1,1 @@
+"""Front ends other than the Python API: the OpenAI-compatible HTTP server."""

@@ -1,0 +1,437 @@
+"""The OpenAI-compatible HTTP server (``jaxrunner serve``): FastAPI on uvicorn over ``AsyncLLM``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events when
+``stream``), ``GET /v1/models``, ``GET /health`` (503 until warm-up is done), ``GET /metrics``
+(Prometheus). Errors use OpenAI's JSON shape: 400 names the bad field, 401 a missing or wrong key,
+404 an unknown model, 413 a body over the size limit, 503 (with ``Retry-After``) when more requests
+wait than ``max_queue``. A request's error never stops the engine loop or other requests; a client
+that disconnects aborts its requests, which frees their pages at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxrunner.async_llm import AsyncLLM, RequestStream
+from jaxrunner.entrypoints.openai import protocol
+from jaxrunner.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from jaxrunner.entrypoints.openai.protocol import RequestError
+
+logger = logging.getLogger("jaxrunner.server")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model: str
+    served_model_name: str | None = None   # the name clients pass as `model` (default: `model`)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 4096                  # waiting requests beyond this get 503
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    shutdown_timeout_s: float = 10.0       # in-flight requests get this long after SIGINT/SIGTERM
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class ServerState:
+    """What the endpoints share: the config, the metrics and, once warm, the AsyncLLM."""
+
+    def __init__(self, config: ServerConfig, llm=None):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.async_llm: AsyncLLM | None = None
+        self.created = int(time.time())
+        if llm is not None:
+            self.set_llm(llm)
+
+    def set_llm(self, llm) -> None:
+        self.async_llm = AsyncLLM(llm)
+        self.metrics.attach(self.async_llm.engine_loop)
+
+    def ready(self) -> AsyncLLM:
+        if self.async_llm is None:
+            raise RequestError("the model is still loading", status=503, kind="service_unavailable",
+                               headers={"Retry-After": "5"})
+        return self.async_llm
+
+
+# ---------------------------------------------------------------------------------------- the app
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="jaxrunner OpenAI-compatible server", docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_, err: RequestError):
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _http_error_response(RequestError(str(err.detail), status=err.status_code, kind=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_, err: Exception):  # an engine failure: this request only
+        logger.exception("request failed")
+        return _http_error_response(RequestError(f"{type(err).__name__}: {err}", status=500, kind="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if state.async_llm is not None else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_key(state, request)
+        card = {"id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "jaxrunner"}
+        if state.async_llm is not None:
+            card["max_model_len"] = state.async_llm.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _read_body(state, request)
+        return await _completions(state, request, protocol.parse(protocol.CompletionRequest, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _read_body(state, request)
+        return await _chat_completions(state, request, protocol.parse(protocol.ChatCompletionRequest, body))
+
+    return app
+
+
+def _http_error_response(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _check_key(state: ServerState, request: Request) -> None:
+    key = state.config.api_key
+    if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+        raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", status=401,
+                           kind="authentication_error")
+
+
+async def _read_body(state: ServerState, request: Request):
+    """The JSON body, after the key check; 413 over the size limit (read to the end, never stored,
+    so the client sees the answer rather than a broken pipe), 400 when it is not JSON."""
+    _check_key(state, request)
+    limit, size, chunks = state.config.max_body_bytes, 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise RequestError(f"request body of {size} bytes exceeds the limit of {limit} bytes", status=413)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON ({err})") from None
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.config.model_name:
+        raise RequestError(f"model: the model `{model}` does not exist; this server serves "
+                           f"`{state.config.model_name}`", status=404, param="model", kind="not_found_error")
+
+
+# ---------------------------------------------------------------------------------------- requests
+@dataclasses.dataclass
+class _Call:
+    """One HTTP request's engine requests: ``streams[i]`` is choice ``i`` (prompt-major, then sample)."""
+
+    streams: list[RequestStream]
+    timers: list[RequestTimer]
+    prompt_lengths: list[int]  # one per prompt, not per sample
+    request_id: str
+    created: int
+    model: str
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
+def _start(state: ServerState, prompts: list, params, n: int, prefix: str) -> _Call:
+    """Validate every prompt, check the queue, then queue every sample of every prompt."""
+    async_llm = state.ready()
+    loop = async_llm.engine_loop
+    valid = []
+    for prompt in prompts:
+        try:
+            valid.append(loop.validate(prompt, params))
+        except ValueError as err:
+            raise RequestError(str(err), param=str(err).split(":")[0].split("[")[0]) from None
+    waiting = loop.num_requests() - loop.stats.running
+    if waiting + len(valid) * n > state.config.max_queue:
+        raise RequestError(f"server busy: {waiting} requests waiting (--max-queue {state.config.max_queue})",
+                           status=503, kind="service_unavailable", headers={"Retry-After": "1"})
+    streams, timers = [], []
+    for request in valid:
+        for index in range(n):
+            sample = dataclasses.replace(request, sampling_params=protocol.sample_params(params, index))
+            timers.append(RequestTimer(state.metrics))
+            streams.append(RequestStream(loop, sample, None))
+    return _Call(streams, timers, [len(r.prompt_token_ids) for r in valid], f"{prefix}-{uuid.uuid4().hex}",
+                 int(time.time()), state.config.model_name)
+
+
+async def _completions(state: ServerState, request: Request, body: protocol.CompletionRequest):
+    _check_model(state, body.model)
+    max_model_len = state.ready().engine.max_model_len
+    params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len)
+    call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl")
+    tokenizer = state.async_llm.engine.tokenizer
+    if body.stream:
+        return _event_stream(call, _completion_chunks(call, body.include_usage, body.logprobs, tokenizer))
+    finals = await _final_outputs(call, request)
+    choices = [{"index": i, "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
+                "stop_reason": out.outputs[0].stop_reason,
+                "logprobs": _completion_logprobs(out.outputs[0].logprobs, body.logprobs, tokenizer)}
+               for i, out in enumerate(finals)]
+    return {"id": call.request_id, "object": "text_completion", "created": call.created, "model": call.model,
+            "choices": choices, "usage": _usage(call, finals)}
+
+
+async def _chat_completions(state: ServerState, request: Request, body: protocol.ChatCompletionRequest):
+    _check_model(state, body.model)
+    async_llm = state.ready()
+    try:
+        prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt)
+    except ValueError as err:
+        raise RequestError(str(err), param="messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = body.top_logprobs or 0
+    params = protocol.sampling_params(body, max_tokens, max(top, 1) if body.logprobs else None,
+                                      async_llm.engine.max_model_len)
+    call = _start(state, [prompt], params, body.n, "chatcmpl")
+    tokenizer = async_llm.engine.tokenizer
+    top = top if body.logprobs else None
+    if body.stream:
+        return _event_stream(call, _chat_chunks(call, body.include_usage, top, tokenizer))
+    finals = await _final_outputs(call, request)
+    choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
+                "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason,
+                "logprobs": _chat_logprobs(out.outputs[0].logprobs, top, tokenizer)}
+               for i, out in enumerate(finals)]
+    return {"id": call.request_id, "object": "chat.completion", "created": call.created, "model": call.model,
+            "choices": choices, "usage": _usage(call, finals)}
+
+
+async def _final_outputs(call: _Call, request: Request) -> list:
+    """Every choice's last output; a client that disconnects first aborts them all."""
+    finals: list = [None] * len(call.streams)
+    gone = asyncio.ensure_future(_disconnected(request))
+    work = asyncio.ensure_future(_drain(call, finals))
+    try:
+        await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise RequestError("client closed the request", status=499)
+        return _engine_result(work)
+    finally:
+        gone.cancel()
+        work.cancel()
+        call.abort()
+
+
+async def _drain(call: _Call, finals: list) -> list:
+    async for index, output in _merged(call):
+        finals[index] = output
+    return finals
+
+
+def _engine_result(work: asyncio.Future):
+    try:
+        return work.result()
+    except ValueError as err:  # refused by the engine when added (e.g. can never fit the KV pool)
+        raise RequestError(str(err)) from None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _merged(call: _Call):
+    """``(choice index, output)`` from every stream of the call as outputs arrive; metrics recorded."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(call.streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                output = task.result()
+                call.timers[index].output()
+                if output.finished:
+                    completion = output.outputs[0]
+                    call.timers[index].finished(len(output.prompt_token_ids), len(completion.token_ids),
+                                                completion.finish_reason)
+                else:
+                    pending[asyncio.ensure_future(anext(call.streams[index]))] = index
+                yield index, output
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def _usage(call: _Call, finals: list) -> dict:
+    prompt = sum(call.prompt_lengths)
+    completion = sum(len(out.outputs[0].token_ids) for out in finals if out is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---------------------------------------------------------------------------------------- streaming
+def _event_stream(call: _Call, chunks) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except RequestError as err:
+            yield f"data: {json.dumps(err.body())}\n\n"
+        except Exception as err:  # an engine error mid-stream: tell this client, keep serving others
+            yield f"data: {json.dumps(RequestError(str(err), status=500, kind='internal_error').body())}\n\n"
+        finally:
+            call.abort()  # a disconnected client lands here too (the response task is cancelled)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _completion_chunks(call: _Call, include_usage: bool, logprobs: int | None, tokenizer):
+    finals: list = [None] * len(call.streams)
+    seen = [0] * len(call.streams)
+    async for index, output in _merged(call):
+        finals[index] = output
+        completion = output.outputs[0]
+        new = (completion.logprobs or [])[seen[index]:]
+        new_ids = completion.token_ids[seen[index]:]
+        seen[index] = len(completion.token_ids)
+        yield _chunk(call, "text_completion", [{
+            "index": index, "text": output.delta_text, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "logprobs": _completion_logprobs(new, logprobs, tokenizer, new_ids) if logprobs is not None else None}])
+    if include_usage:
+        yield {**_chunk(call, "text_completion", []), "usage": _usage(call, finals)}
+
+
+async def _chat_chunks(call: _Call, include_usage: bool, top: int | None, tokenizer):
+    finals: list = [None] * len(call.streams)
+    seen = [0] * len(call.streams)
+    for index in range(len(call.streams)):
+        yield _chunk(call, "chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])
+    async for index, output in _merged(call):
+        finals[index] = output
+        completion = output.outputs[0]
+        new = (completion.logprobs or [])[seen[index]:]
+        new_ids = completion.token_ids[seen[index]:]
+        seen[index] = len(completion.token_ids)
+        yield _chunk(call, "chat.completion.chunk", [{
+            "index": index, "delta": {"content": output.delta_text} if output.delta_text else {},
+            "logprobs": _chat_logprobs(new, top, tokenizer, new_ids), "finish_reason": completion.finish_reason}])
+    if include_usage:
+        yield {**_chunk(call, "chat.completion.chunk", []), "usage": _usage(call, finals)}
+
+
+def _chunk(call: _Call, kind: str, choices: list) -> dict:
+    return {"id": call.request_id, "object": kind, "created": call.created, "model": call.model, "choices": choices}
+
+
+# ---------------------------------------------------------------------------------------- logprobs
+def _logprob(value) -> float:
+    return float(getattr(value, "logprob", value))  # a float, or a Logprob object
+
+
+def _steps(logprobs, token_ids, tokenizer):
+    """Per generated token: (its text, its logprob, [(text, logprob) of the top ones])."""
+    for token_id, entries in zip(token_ids, logprobs or []):
+        top = [(tokenizer.decode([int(t)]), _logprob(v)) for t, v in entries.items()]
+        yield tokenizer.decode([int(token_id)]), _logprob(entries[token_id]), top
+
+
+def _completion_logprobs(logprobs, k: int | None, tokenizer, token_ids=None):
+    if k is None or logprobs is None:
+        return None
+    token_ids = token_ids if token_ids is not None else [next(iter(e)) for e in logprobs]
+    steps = list(_steps(logprobs, token_ids, tokenizer))
+    return {"tokens": [s[0] for s in steps], "token_logprobs": [s[1] for s in steps],
+            "top_logprobs": [dict(s[2][:k]) for s in steps], "text_offset": []}
+
+
+def _chat_logprobs(logprobs, k: int | None, tokenizer, token_ids=None):
+    if k is None or logprobs is None:
+        return None
+    token_ids = token_ids if token_ids is not None else [next(iter(e)) for e in logprobs]
+    return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top[:k]]}
+                        for text, lp, top in _steps(logprobs, token_ids, tokenizer)]}
+
+
+# ---------------------------------------------------------------------------------------- running it
+class _Server(uvicorn.Server):
+    """uvicorn, except that a SIGINT/SIGTERM shutdown exits 0 instead of re-raising the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def make_server(state: ServerState, log_level: str = "warning") -> uvicorn.Server:
+    config = uvicorn.Config(build_app(state), host=state.config.host, port=state.config.port, log_level=log_level,
+                            timeout_graceful_shutdown=state.config.shutdown_timeout_s, access_log=False)
+    return _Server(config)
+
+
+def run_server(config: ServerConfig, engine_options: dict) -> int:
+    """Serve until SIGINT/SIGTERM. The HTTP port opens at once (``/health`` says 503); the model
+    loads and warms up on a thread, then the URL is printed. Returns the exit status."""
+    state = ServerState(config)
+    server = make_server(state)
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        from jaxrunner.llm import LLM
+
+        try:
+            state.set_llm(LLM(config.model, **engine_options))
+        except Exception as err:  # the user's model or options: report and stop the server
+            failure.append(err)
+            server.should_exit = True
+            return
+        print(f"jaxrunner serve: {config.model_name} ready at http://{config.host}:{config.port}/v1",
+              file=sys.stderr, flush=True)
+
+    threading.Thread(target=load, name="jaxrunner-model-load", daemon=True).start()
+    server.run()
+    if state.async_llm is not None:  # uvicorn has drained or cancelled the requests; stop the loop too
+        state.async_llm.engine_loop.close()
+    if failure:
+        raise failure[0]
+    return 0

@@ -1,0 +1,168 @@
+"""OpenAI request bodies (pydantic) and their mapping onto ``SamplingParams``.
+
+The fields are OpenAI's (``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``n``,
+``stop``, ``seed``, ``logprobs``/``top_logprobs``, the penalties, ``logit_bias``, ``stream_options``)
+plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``). Unknown fields are ignored, as OpenAI's server does.
+Every rejection is a ``RequestError`` that carries the HTTP status and the field it names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxrunner.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server refuses: OpenAI's error shape, with an HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.kind, self.headers = message, status, param, kind, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self, index: int) -> str:
+        """The message's text; content parts must be ``{"type": "text", "text": ...}``."""
+        if isinstance(self.content, str):
+            return self.content
+        if self.content is None:
+            raise RequestError(f"messages[{index}].content: missing", param=f"messages.{index}.content")
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{index}].content: only text parts are supported, got "
+                                   f"{part.get('type')!r}", param=f"messages.{index}.content")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a decoded JSON body; the error names the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])  # e.g. prompt.list[int].0 for a union member
+        field = str(first["loc"][0]) if first["loc"] else None
+        raise RequestError(f"{where}: {first['msg']}", param=field) from None
+
+
+def completion_prompts(request: CompletionRequest) -> list:
+    """The request's prompts as engine prompts (text or token ids)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt: empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def sampling_params(request: _Sampling, max_tokens: int | None, logprobs: int | None,
+                    max_model_len: int) -> SamplingParams:
+    """The request's SamplingParams (one sample; ``n`` is served as n requests)."""
+    if request.logit_bias and "logit_bias" not in _SAMPLING_FIELDS:
+        raise RequestError("logit_bias: not supported by this server", param="logit_bias")
+    options = dict(
+        n=1, temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k in (None, 0, -1) else request.top_k,
+        min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        seed=request.seed, max_tokens=max_model_len if max_tokens is None else max_tokens,
+        min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens)
+    if request.logit_bias:
+        options["logit_bias"] = {int(k): v for k, v in request.logit_bias.items()}
+    if request.n < 1:
+        raise RequestError(f"n: {request.n} must be at least 1", param="n")
+    try:
+        return SamplingParams(**options)
+    except ValueError as err:
+        raise RequestError(str(err), param=_field_of(str(err))) from None
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: seed + i when the caller fixed one."""
+    return params if index == 0 else dataclasses.replace(params, seed=None if params.seed is None
+                                                         else params.seed + index)
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _field_of(message: str) -> str | None:
+    match = re.match(r"SamplingParams\.(\w+)", message)
+    return match.group(1) if match else None

@@ -1,0 +1,83 @@
+"""Benchmark result files: how the scripts name them, what history.csv keeps, what the repo holds."""
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import _bench_common as common  # noqa: E402
+import bench_history  # noqa: E402
+
+NAME = re.compile(r"^(?P<kind>[a-z]+(-tp\d+)?(-dp\d+)?-(float32|bfloat16))-(?P<date>\d{4}-\d\d-\d\d)-"
+                  r"(?P<commit>[0-9a-f]{7,}|nogit)\.(json|png)$")
+
+
+def test_result_name_says_benchmark_parallelism_dtype_date_and_commit():
+    assert common.result_name("throughput", "float32", date="2026-12-01", commit="abc1234") == \
+        "throughput-float32-2026-12-01-abc1234"
+    assert common.result_name("latency", "bfloat16", tensor_parallel_size=3, data_parallel_size=2,
+                              date="2026-12-01", commit="abc1234") == "latency-tp3-dp2-bfloat16-2026-12-01-abc1234"
+
+
+def test_git_commit_is_the_checkouts_short_head():
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    expected = head.stdout.strip() if head.returncode == 0 else "nogit"
+    assert common.git_commit() == expected
+
+
+def test_default_output_is_named_and_its_headline_figures_go_to_history(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(bench_history, "HISTORY_CSV", str(tmp_path / "history.csv"))
+    args = argparse.Namespace(output_json=None, no_plot=True, dtype="bfloat16", tensor_parallel_size=1,
+                              data_parallel_size=1)
+    payload = {"config": {"num_requests": 4, "input_len": "8..16", "output_len": 8,
+                          "engine": {"dtype": "bfloat16", "tensor_parallel_size": 1, "data_parallel_size": 1}},
+               "results": {"jaxrunner": {"total_tokens_per_s": 123.5, "output_tokens_per_s": 50.0, "elapsed_s": 2.0}}}
+    path = common.write_results(args, "throughput", payload, plot=None, plot_data=None, title="t")
+
+    name = os.path.basename(path)
+    assert NAME.match(name), name
+    assert name.startswith("throughput-bfloat16-") and name.endswith(f"-{common.git_commit()}.json")
+    with open(path, encoding="utf-8") as f:
+        assert json.load(f)["commit"] == common.git_commit()
+    with open(tmp_path / "history.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["metric"], float(r["value"])) for r in rows] == [("total_tokens_per_s", 123.5),
+                                                                ("output_tokens_per_s", 50.0)]
+    assert {r["benchmark"] for r in rows} == {"throughput"} and {r["dtype"] for r in rows} == {"bfloat16"}
+    assert rows[0]["workload"] == "num_requests=4 input_len=8..16 output_len=8"
+
+
+def test_an_explicit_output_outside_results_leaves_history_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setattr(bench_history, "HISTORY_CSV", str(tmp_path / "results" / "history.csv"))
+    args = argparse.Namespace(output_json=str(tmp_path / "mine.json"), no_plot=True, dtype="float32")
+    common.write_results(args, "latency", {"results": []}, plot=None, plot_data=None, title="t")
+    assert (tmp_path / "mine.json").exists() and not (tmp_path / "results" / "history.csv").exists()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(RESULTS) if n != "history.csv"))
+def test_repo_results_follow_the_naming(name):
+    match = NAME.match(name)
+    assert match, f"{name}: expected <benchmark>[-tpN][-dpM]-<dtype>-<date>-<commit>.json"
+    if name.endswith(".json"):
+        with open(os.path.join(RESULTS, name), encoding="utf-8") as f:
+            assert json.load(f)["commit"] == match["commit"]
+
+
+def test_repo_keeps_one_result_of_each_kind_and_the_history():
+    kinds = [NAME.match(n)["kind"] for n in os.listdir(RESULTS) if n.endswith(".json")]
+    assert len(kinds) == len(set(kinds)), sorted(kinds)
+    with open(os.path.join(RESULTS, "history.csv"), encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == bench_history.COLUMNS
+        benchmarks = {row["benchmark"] for row in reader}
+    assert {"throughput", "latency", "startup"} <= benchmarks

@@ -1,0 +1,34 @@
+"""The device check runs end to end: every section of ``scripts/device_check.py --smoke`` (CPU,
+tiny shapes, Pallas interpreted, a tiny engine from the committed assets) writes its results."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_device_check_smoke(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "device_check.py"), "--smoke",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["smoke"] and report["backend"] == "cpu"
+    assert report["ceilings"]["copy_gbps"] > 0 and report["ceilings"]["matmul_bf16_tflops"] > 0
+    checks = report["correctness"]["records"]
+    assert report["correctness"]["ok"] and {r["impl"] for r in checks} == {"pallas", "xla"}
+    assert any(r["options"].get("num_splits") for r in checks)          # split-KV checked too
+    assert any(r["case"].startswith("fuzz") for r in checks)
+    for section in ("decode", "prefill", "mixed"):
+        records = report[section]["records"]
+        assert records and all("ms" in r for r in records), records
+    engine = report["engine"]
+    assert engine["ok"] and engine["serving_compiles"] == 0
+    assert engine["generated_tokens"] == engine["requests"] * engine["new_tokens"]
+    assert engine["attention_impl"] == "pallas" and engine["attention_self_check_max_abs_error"] < 1e-5
+    assert engine["transformers"]["tokens_per_s"] > 0
