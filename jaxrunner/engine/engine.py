@@ -329,7 +329,7 @@ class LLMEngine:
             return []
         plan = pending.plan
         wants_prompt = any(chunk.request.sampling_params.prompt_logprobs is not None for chunk in plan.chunks)
-        sampled = self.runner.fetch(pending.device_outputs, prompt_logprobs=wants_prompt)
+        sampled = self.runner.fetch(pending.device_outputs, wants_prompt)  # the prompt outputs only when asked
         if wants_prompt:
             self._accept_prompt_logprobs(plan, sampled)
         if not pending.updated:
