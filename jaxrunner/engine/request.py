@@ -59,6 +59,9 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if self.max_tokens is None:
             self.max_tokens = self.sampling_params.max_tokens
+        if self.max_tokens is None:  # SamplingParams.max_tokens=None: the engine resolves it
+            raise ValueError(f"request {self.request_id!r}: max_tokens is None; pass the output cap "
+                             "(LLMEngine.add_request sets it to what max_model_len leaves)")
 
     @property
     def needs_host_history(self) -> bool:
