@@ -189,3 +189,21 @@ def test_serving_new_options_never_compiles(llm, prompts):
     assert compiles == []
     assert all(o.finished for o in outputs)
     assert outputs[3].prompt_logprobs is not None and outputs[3].prompt_logprobs[1] is not None
+
+
+def test_prompt_logprobs_survive_preemption(llm, tiny_checkpoints):
+    """A pool too small for the batch preempts requests mid-prompt or mid-output; their prompt
+    logprobs (positions recorded before a preemption are kept) equal those of an unpressed engine."""
+    workload = random_prompts(6, 512, 40, 70, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    expected = llm.generate(workload, params, use_tqdm=False)
+    small = make_llm(tiny_checkpoints["llama"], num_pages=24)
+    got = small.generate(workload, params, use_tqdm=False)
+    assert small.engine.stats()["num_preemptions"] > 0
+    for ours, theirs in zip(got, expected):
+        assert ours.prompt_logprobs[0] is None and len(ours.prompt_logprobs) == len(theirs.prompt_logprobs)
+        for entry, reference in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            assert entry.keys() == reference.keys()
+            for token, value in entry.items():
+                assert value.logprob == pytest.approx(reference[token].logprob, abs=1e-4)
+                assert value.rank == reference[token].rank
