@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers advises at import that torch is missing; jaxrunner uses only its tokenizers
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(name)s: %(message)s")

@@ -146,6 +146,12 @@ def test_convert_overwrite_replaces_a_checkpoint(tiny_checkpoints, tmp_path):
     assert "wrote " in _ok(jaxrunner("convert", tiny_checkpoints["llama"], dst, "--overwrite")).stdout
 
 
+def test_generate_on_a_model_with_a_short_limit_needs_no_flags(tiny_checkpoints):
+    """A Qwen2 directory with max_position_embeddings=512: the default max_model_len is the model's."""
+    proc = _ok(jaxrunner("generate", "--model", tiny_checkpoints["qwen2"], "--max-tokens", "4", "--json", "hello"))
+    assert len(json.loads(proc.stdout.splitlines()[-1])["token_ids"]) <= 4
+
+
 def test_bad_flag_value_is_argparse_exit_2():
     proc = jaxrunner("generate", "--max-tokens", "many", "hi")
     assert proc.returncode == 2 and "invalid int value" in proc.stderr and "Traceback" not in proc.stderr

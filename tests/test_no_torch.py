@@ -68,3 +68,4 @@ def test_readme_generate_command_runs_without_torch(tmp_path):
     """, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout, (result.stdout, result.stderr[-3000:])
+    assert "PyTorch was not found" not in result.stderr  # no advice to install what is not needed
