@@ -69,3 +69,18 @@ def test_readme_generate_command_runs_without_torch(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout, (result.stdout, result.stderr[-3000:])
     assert "PyTorch was not found" not in result.stderr  # no advice to install what is not needed
+
+
+@pytest.mark.parametrize("sentencepiece", [False, True], ids=["byte-level-bpe", "sentencepiece"])
+def test_gguf_tokenizers_build_without_torch(tmp_path, sentencepiece):
+    from test_gguf import Q, hf_weights, write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "llama", hf_weights("llama", tied=False), Q.F32,
+                      sentencepiece=sentencepiece)
+    result = _run_without_torch(tmp_path, f"""
+        from jaxrunner.models.loading.gguf import load_gguf_tokenizer
+        tok = load_gguf_tokenizer({path!r})
+        assert tok.decode(tok.encode("hello world", add_special_tokens=False)) == "hello world"
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

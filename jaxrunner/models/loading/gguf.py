@@ -566,9 +566,10 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 def load_gguf_tokenizer(path: str | os.PathLike):
     """A transformers fast tokenizer built offline from the GGUF metadata (chat template included).
 
-    Byte-level BPE files (``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen2) are built with
-    the ``tokenizers`` library from the parsed metadata (:mod:`.gguf_tokenizer`), so no torch is
-    imported; other tokenizer models go through transformers' GGUF converter, which needs torch.
+    Byte-level BPE files (``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen2) and
+    SentencePiece BPE files (``"llama"``: Llama 2, Mistral) are built with the ``tokenizers`` library
+    from the parsed metadata (:mod:`.gguf_tokenizer`), so no torch is imported; other tokenizer
+    models go through transformers' GGUF converter, which needs torch.
     Errors like :func:`load_gguf`, plus :class:`GGUFFormatError` for a file without a tokenizer and
     :class:`UnsupportedGGUFError` when no tokenizer can be built from the metadata.
     """
@@ -577,21 +578,28 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     kind = _field_value(reader, "tokenizer.ggml.model")
     if kind is None:
         raise GGUFFormatError(f"{path}: GGUF file holds no tokenizer (no tokenizer.ggml.model)", path)
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         return _transformers_gguf_tokenizer(path, kind)
     from jaxrunner.models.loading import gguf_tokenizer
 
     tokens = _field_value(reader, "tokenizer.ggml.tokens")
     merges = _field_value(reader, "tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise GGUFFormatError(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.tokens or .merges", path)
+    if not tokens or (kind == "gpt2" and merges is None):
+        raise GGUFFormatError(f"{path}: {kind} tokenizer without tokenizer.ggml.tokens"
+                              + (" or .merges" if kind == "gpt2" else ""), path)
     ids = {name: _field_value(reader, f"tokenizer.ggml.{key}") for name, key in
            (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
             ("pad_token", "padding_token_id"))}
-    add_bos = bool(_field_value(reader, "tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+    add_bos = bool(_field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    types = _field_value(reader, "tokenizer.ggml.token_type")
     try:
-        backend = gguf_tokenizer.byte_level_bpe(tokens, merges, _field_value(reader, "tokenizer.ggml.token_type"),
-                                                _field_value(reader, "tokenizer.ggml.pre"), ids["bos_token"], add_bos)
+        if kind == "gpt2":
+            backend = gguf_tokenizer.byte_level_bpe(tokens, merges, types, _field_value(reader, "tokenizer.ggml.pre"),
+                                                    ids["bos_token"], add_bos)
+        else:
+            backend = gguf_tokenizer.sentencepiece_bpe(tokens, _field_value(reader, "tokenizer.ggml.scores"), merges,
+                                                       types, ids["bos_token"], add_bos)
     except Exception as e:  # the tokenizers library rejects inconsistent vocabularies / merges
         raise UnsupportedGGUFError(f"{path}: could not build a tokenizer from the GGUF metadata "
                                    f"({type(e).__name__}: {e})", path) from e
@@ -608,7 +616,7 @@ def _transformers_gguf_tokenizer(path: str, kind: str):
     except Exception as e:
         raise UnsupportedGGUFError(
             f"{path}: could not build a transformers tokenizer for tokenizer.ggml.model={kind!r} "
-            f"({type(e).__name__}: {e}); only 'gpt2' (byte-level BPE) files are built without torch", path) from e
+            f"({type(e).__name__}: {e}); only 'gpt2' and 'llama' tokenizers are built without torch", path) from e
     if not getattr(tok, "chat_template", None):
         chat_template = _field_value(_open_reader(path), "tokenizer.chat_template")
         if chat_template:

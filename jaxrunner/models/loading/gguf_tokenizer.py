@@ -7,9 +7,9 @@ special token ids, the chat template, whether to add BOS), so it is assembled he
 transformers' GGUF converter assembles it, and the result encodes, decodes and formats chats the
 same (``tests/test_gguf.py`` compares the two).
 
-Byte-level BPE (``tokenizer.ggml.model = "gpt2"``) is what SmolLM2, Llama 3 and Qwen2 files use.
-Other tokenizer models (SentencePiece ``"llama"`` files) still go through transformers, which then
-needs torch; the error says so.
+Byte-level BPE (``tokenizer.ggml.model = "gpt2"``) is what SmolLM2, Llama 3 and Qwen2 files use;
+SentencePiece BPE (``"llama"``) what Llama 2 and Mistral files use. Other tokenizer models still
+go through transformers, which then needs torch.
 """
 from __future__ import annotations
 
@@ -65,10 +65,7 @@ def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int] 
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    if add_bos and bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    _set_bos(tok, tokens, bos_id, add_bos)
     types = token_types or []
     # Control tokens spelled outside the byte alphabet are llama.cpp mislabels: adding them would
     # grow the vocabulary past the model's (transformers skips them too).
@@ -77,6 +74,48 @@ def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int] 
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
     return tok
+
+
+def sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: list[str] | None,
+                      token_types: list[int] | None, bos_id: int | None, add_bos: bool) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` of a ``llama``-model (SentencePiece BPE) GGUF vocabulary: pieces
+    spelled with "▁" for spaces, bytes as ``<0xNN>`` tokens (byte fallback), a "▁" prepended to the
+    first word. Without merges in the file they are derived from the scores, as transformers does."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores or [0.0] * len(tokens))))
+    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1)])
+    _set_bos(tok, tokens, bos_id, add_bos)
+    types = token_types or []
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, kind in zip(tokens, types) if kind == _CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best-scored piece first (ties: the
+    shorter left part first), the way transformers rebuilds SentencePiece merges."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _set_bos(tok: Tokenizer, tokens: list[str], bos_id: int | None, add_bos: bool) -> None:
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
 
 
 def wrap(tokenizer: Tokenizer, tokens: list[str], special_ids: dict[str, int | None],
