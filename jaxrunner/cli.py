@@ -194,7 +194,8 @@ def cmd_convert(args) -> int:
     start = time.perf_counter()
     model = load_model(args.src, args.dtype, progress=sys.stderr.isatty())
     source_s = time.perf_counter() - start
-    save_checkpoint(args.dst, model.params, model.hf_config, model.tokenizer, overwrite=args.overwrite)
+    save_checkpoint(args.dst, model.params, model.hf_config, model.tokenizer, overwrite=args.overwrite,
+                    generation_config=model.generation_config)
     start = time.perf_counter()
     load_model(args.dst, args.dtype, progress=False)
     converted_s = time.perf_counter() - start

@@ -167,6 +167,20 @@ def test_auto_dtype_float16_and_generation_config(bf16_checkpoint, caplog):
     assert {2, 7} <= set(llm.engine.eos_token_ids)
 
 
+def test_convert_keeps_the_generation_config(bf16_checkpoint, tmp_path):
+    from jaxrunner.cli import main
+    from jaxrunner.models.loader import load_model
+
+    assert main(["convert", bf16_checkpoint, str(tmp_path / "ckpt")]) == 0
+    converted = load_model(str(tmp_path / "ckpt"), progress=False)
+    assert converted.generation_config["temperature"] == 0.6 and {2, 7} <= set(converted.config.eos_token_ids)
+
+
+def test_llm_model_none_is_a_value_error(no_loading):
+    with pytest.raises(ValueError, match="EngineConfig.model: invalid value None"):
+        LLM(model=None)
+
+
 def test_auto_dtype_of_a_bfloat16_checkpoint(bf16_checkpoint):
     llm = make_llm(bf16_checkpoint, dtype="auto")
     assert llm.startup_report["dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")

@@ -124,8 +124,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str) -> tuple
 
 
 def read_generation_config(source: ModelSource) -> dict | None:
-    """An HF directory's generation_config.json (other formats carry none)."""
-    if source.kind != "hf":
+    """generation_config.json of an HF directory or a jaxrunner checkpoint converted from one
+    (GGUF files carry none)."""
+    if source.kind == "gguf":
         return None
     from jaxrunner.models.loading.hf import read_generation_config as read
 
