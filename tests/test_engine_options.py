@@ -107,6 +107,20 @@ def test_default_max_model_len_is_lowered_to_what_the_pool_holds(tiny_checkpoint
     assert len(out[0].outputs[0].token_ids) == 28  # capped at max_model_len
 
 
+def test_provisional_pool_for_profiling_fits_a_long_default_max_model_len():
+    """On an accelerator the largest bucket is profiled against a provisional pool: with the
+    model's own limit (e.g. 131072 tokens) it must not ask for more than the device holds."""
+    from jaxrunner.engine.startup import provisional_num_pages
+    from jaxrunner.runner.buckets import BucketPlan
+
+    largest = max(BucketPlan.from_limits(512, 64, 131072, 16).buckets())
+    page_bytes = 2 * 32 * 16 * 8 * 128 * 2  # Llama-3-8B, bf16
+    pages = provisional_num_pages(largest, page_bytes, room_bytes=100 * 2**30)
+    assert pages * page_bytes <= 10 * 2**30 and pages >= 2
+    small = max(BucketPlan.from_limits(64, 4, 256, 16).buckets())
+    assert provisional_num_pages(small, page_bytes, 100 * 2**30) == small.num_seqs * small.num_pages + 1
+
+
 @pytest.mark.parametrize("platform, requested, stored, native_bf16, expected", [
     ("cpu", "auto", "float32", False, "float32"),
     ("cpu", "auto", "bfloat16", False, "float32"),

@@ -85,16 +85,24 @@ def fit_max_model_len(config: EngineConfig, max_model_len: int, why: str, num_pa
     return max_model_len, why
 
 
+def provisional_num_pages(bucket, bytes_per_page: int, room_bytes: int) -> int:
+    """Pages of the pool the largest bucket is profiled against: as many as it can address, but
+    within a tenth of the memory left after the weights (the model's own max_model_len can make a
+    bucket address more pages than the device holds; the dummy batch then repeats pages)."""
+    return int(max(2, min(bucket.num_seqs * bucket.num_pages + 1, room_bytes // 10 // bytes_per_page)))
+
+
 def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KVCacheSpec, config,
-                              max_model_len: int, mesh) -> int:
+                              max_model_len: int, mesh, room_bytes: int) -> int:
     """Peak temporaries of the largest bucket, compiled once against a provisional small pool.
 
     Only where the device reports its memory (GPU, TPU): there the pool takes what is left, so the
-    activations must be known first. The provisional pool's pages are the fewest that bucket can
-    address, so the extra compile costs no real memory.
+    activations must be known first. The provisional pool is small (:func:`provisional_num_pages`),
+    so the extra compile costs little memory.
     """
     largest = max(plan.buckets())
-    spec = dataclasses.replace(template, num_pages=largest.num_seqs * largest.num_pages + 1)
+    bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
+    spec = dataclasses.replace(template, num_pages=provisional_num_pages(largest, bytes_per_page, room_bytes))
     runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh,
                          max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs)
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
@@ -113,7 +121,8 @@ def _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh
     activation_bytes = 0
     if budget.device_bytes is not None and config.kv_cache_memory_bytes is None:
         warmup.check_weights_fit(budget, weights_bytes)
-        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len, mesh)
+        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len, mesh,
+                                                     budget.budget_bytes - weights_bytes)
     pages_per_seq = math.ceil(max_model_len / config.page_size)
     num_pages, how = warmup.size_kv_pool(
         budget=budget, weights_bytes=weights_bytes, activation_bytes=activation_bytes,
