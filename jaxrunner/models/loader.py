@@ -160,7 +160,8 @@ def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
         from jaxrunner.models.loading.gguf import load_gguf_tokenizer
 
         checkpoint = _open_gguf(source.path, keep=False)
-        hf_config, state, tokenizer = checkpoint.hf_config, checkpoint.state_dict, load_gguf_tokenizer(source.path)
+        hf_config, state = checkpoint.hf_config, checkpoint.state_dict
+        tokenizer = load_gguf_tokenizer(source.path, checkpoint.reader)
     else:
         from jaxrunner.models.loading.hf import load_hf_tokenizer, open_hf_state_dict, read_hf_config
 

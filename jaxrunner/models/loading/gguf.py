@@ -114,6 +114,7 @@ class GGUFCheckpoint:
     path: str = ""
     tensor_types: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    reader: Any = None  # the parsed file (open_gguf only): load_gguf_tokenizer can reuse it
 
 
 # ----------------------------------------------------------------------------- Q/K layout
@@ -483,7 +484,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
             cfg["rope_scaling"] = scaling
     types = {hf: tensors[g].tensor_type.name for hf, g in names.items()}
     return GGUFCheckpoint(hf_config=cfg, state_dict=DequantizedTensors(reader, names, shapes, qk_heads, path),
-                          path=path, tensor_types=types, metadata=_metadata(reader))
+                          path=path, tensor_types=types, metadata=_metadata(reader), reader=reader)
 
 
 def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoint:
@@ -563,7 +564,7 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_gguf_tokenizer(path: str | os.PathLike):
+def load_gguf_tokenizer(path: str | os.PathLike, reader=None):
     """A transformers fast tokenizer built offline from the GGUF metadata (chat template included).
 
     Byte-level BPE files (``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen2) and
@@ -574,7 +575,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     :class:`UnsupportedGGUFError` when no tokenizer can be built from the metadata.
     """
     path = os.fspath(path)
-    reader = _open_reader(path)
+    reader = reader if reader is not None else _open_reader(path)  # ``reader``: open_gguf's, parsed already
     kind = _field_value(reader, "tokenizer.ggml.model")
     if kind is None:
         raise GGUFFormatError(f"{path}: GGUF file holds no tokenizer (no tokenizer.ggml.model)", path)
