@@ -12,14 +12,18 @@ import os
 import sys
 import time
 
-from jaxrunner.config import DEFAULT_MODEL
+from jaxrunner.config import DEFAULT_MODEL, DTYPES
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"alias, .gguf file, HF directory or jaxrunner checkpoint (default: {DEFAULT_MODEL})")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output, in tokens")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                        help="compute dtype (auto: the checkpoint's where the device computes it natively; "
+                             "on a CPU without bf16 dot products, float32)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output, in tokens (default: the model's limit, lowered to what "
+                             "the KV cache holds)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "jax_tpu", "native", "xla", "reference"],
@@ -70,11 +74,14 @@ def _sampling(args):
 
 
 def cmd_generate(args) -> int:
+    from jaxrunner.config import EngineConfig
+
     params = _sampling(args)  # validate flags before the model loads
     options = _engine_options(args)
+    EngineConfig(model=args.model, **options)  # every flag checked as given, before any narrowing
     _join_cluster(args)
     # A one-shot job knows its batch: no sequence bucket larger than the prompts is worth compiling.
-    options["max_num_seqs"] = max(1, min(options["max_num_seqs"], len(args.prompt)))
+    options["max_num_seqs"] = min(options["max_num_seqs"], len(args.prompt))
     llm = _start(args.model, options)
     tokenizer = llm.get_tokenizer()
     use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
@@ -158,14 +165,37 @@ def _fit_chat_prompt(llm, system: list[dict], history: list[dict], max_tokens: i
     return None
 
 
+def _check_destination(dst: str, overwrite: bool) -> None:
+    """Fail before the source is loaded: the destination must be creatable, and empty unless --overwrite."""
+    path = os.path.abspath(os.path.expanduser(dst))
+    if os.path.isfile(path):
+        raise ValueError(f"destination {dst!r} is a file; valid: a new or empty directory (or an existing "
+                         "checkpoint with --overwrite)")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"destination {dst!r} lies under {parent!r}, which is a file, not a directory")
+    if os.path.isdir(path) and os.listdir(path):
+        from jaxrunner.models.loading.resolve import ORBAX_MARKER
+
+        if not os.path.isfile(os.path.join(path, ORBAX_MARKER)):
+            raise ValueError(f"destination {dst!r} is a non-empty directory that holds no jaxrunner checkpoint; "
+                             "valid: a new or empty directory, or a checkpoint to replace with --overwrite")
+        if not overwrite:
+            raise ValueError(f"destination {dst!r} holds a jaxrunner checkpoint; pass --overwrite to replace it")
+
+
 def cmd_convert(args) -> int:
     from jaxrunner.models.loader import load_model
     from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
 
+    _check_destination(args.dst, args.overwrite)
     start = time.perf_counter()
     model = load_model(args.src, args.dtype, progress=sys.stderr.isatty())
     source_s = time.perf_counter() - start
-    save_checkpoint(args.dst, model.params, model.hf_config, model.tokenizer)
+    save_checkpoint(args.dst, model.params, model.hf_config, model.tokenizer, overwrite=args.overwrite,
+                    generation_config=model.generation_config)
     start = time.perf_counter()
     load_model(args.dst, args.dtype, progress=False)
     converted_s = time.perf_counter() - start
@@ -261,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="alias, .gguf file or HF directory")
     conv.add_argument("dst", help="output directory")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored dtype")
+    conv.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
     conv.set_defaults(func=cmd_convert)
 
     info = sub.add_parser("info", help="devices, backend, attention impl, versions, default model, cache dir")
@@ -288,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers advises at import that torch is missing; jaxrunner uses only its tokenizers
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(name)s: %(message)s")

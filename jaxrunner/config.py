@@ -1,23 +1,35 @@
-"""EngineConfig: every knob of an engine instance, validated once at construction."""
+"""EngineConfig: every knob of an engine instance, validated once at construction.
+
+Validation here is about the values alone (types, ranges, choices) and costs nothing: a wrong
+option fails before any model file is opened. Checks that need the model's config file or the
+machine's memory run next, still before any weight is read (``engine/preflight.py``).
+"""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = (None, "float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "pallas", "jax_tpu", "xla", "native", "reference")
+WARMUP_INPUTS = ("random", "zeros")
+QUANTIZATIONS = (None, "int8")
 
 
 @dataclasses.dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"                     # auto: the checkpoint's dtype where the device computes it natively
     seed: int = 0
     page_size: int = 16
     num_pages: int | None = None           # overrides memory-based sizing of the KV pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_num_prefill_seqs: int | None = 8   # most prefill chunks (>1 token) in one step; None: no limit
-    max_model_len: int | None = 2048        # capped by the model's max_position_embeddings
+    max_model_len: int | None = None        # None: the model's limit, lowered to what the KV pool holds
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True           # plan step N+1 while step N runs on the device
@@ -36,24 +48,60 @@ class EngineConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        checks = [
-            ("dtype", self.dtype in ("float32", "bfloat16", "float16")),
-            ("page_size", self.page_size >= 1),
-            ("max_num_seqs", self.max_num_seqs >= 1),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
-            ("max_num_prefill_seqs", self.max_num_prefill_seqs is None or self.max_num_prefill_seqs >= 1),
-            ("num_pages", self.num_pages is None or self.num_pages >= 2),
-            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1),
-            ("attention_impl", self.attention_impl in ("auto", "pallas", "jax_tpu", "xla", "native", "reference")),
-            ("memory_utilization", 0.0 < self.memory_utilization <= 1.0),
-            ("warmup_inputs", self.warmup_inputs in ("random", "zeros")),
-            ("quantization", self.quantization in (None, "int8")),
-            ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1),
-            ("data_parallel_size", isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1),
-        ]
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"EngineConfig.{name}: invalid value {getattr(self, name)!r}")
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        _check_str("model", self.model, "an alias, a .gguf file or a model directory")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("warmup_inputs", self.warmup_inputs, WARMUP_INPUTS)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        for name, low in (("seed", 0), ("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                          ("min_token_bucket", 1), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):
+            setattr(self, name, _check_int(name, getattr(self, name), low))
+        for name, low in (("num_pages", 2), ("max_num_prefill_seqs", 1), ("max_model_len", 1),
+                          ("kv_cache_memory_bytes", 1)):
+            setattr(self, name, _check_int(name, getattr(self, name), low, optional=True))
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "progress"):
+            _check_bool(name, getattr(self, name))
+        _check_fraction("memory_utilization", self.memory_utilization)
+        if self.compilation_cache_dir is not None:
+            _check_str("compilation_cache_dir", self.compilation_cache_dir, "a directory path or None")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"EngineConfig.max_num_seqs ({self.max_num_seqs}) exceeds "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens}); valid: "
+                             f"max_num_seqs <= max_num_batched_tokens")
+
+
+def _invalid(name: str, value, valid: str) -> ValueError:
+    return ValueError(f"EngineConfig.{name}: invalid value {value!r}; valid: {valid}")
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if not isinstance(value, (str, type(None))) or value not in choices:
+        raise _invalid(name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_int(name: str, value, low: int, optional: bool = False) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy's too; not a bool, not a float) >= ``low``;
+    None passes when ``optional``."""
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise _invalid(name, value, f"an integer >= {low}" + (" or None" if optional else ""))
+    return int(value)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise _invalid(name, value, "True or False")
+
+
+def _check_fraction(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
+        raise _invalid(name, value, "a number in (0, 1]")
+
+
+def _check_str(name: str, value, valid: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise _invalid(name, value, valid)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
 import threading
@@ -10,8 +11,11 @@ from typing import Iterator, Sequence
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
 from jaxrunner.engine.data_parallel import create_engine
 from jaxrunner.engine.loop import EngineLoop
+from jaxrunner.engine.preflight import check_before_loading
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxrunner")
 
 
 class LLM:
@@ -21,11 +25,18 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, *, tokenizer: str | None = None, **engine_options):
         """``engine_options`` are EngineConfig's fields, e.g. ``dtype``, ``max_num_seqs``,
-        ``tensor_parallel_size`` (devices splitting the model) and ``data_parallel_size`` (replicas)."""
-        _check_model(model)
-        self._attach(create_engine(EngineConfig(model=model, **engine_options)))
+        ``tensor_parallel_size`` (devices splitting the model) and ``data_parallel_size`` (replicas),
+        or vLLM's names for the same knobs (``gpu_memory_utilization``, ``block_size``,
+        ``enforce_eager``; see ``VLLM_NAMES``). ``tokenizer``: a directory to load the tokenizer
+        from instead of the model's. Every option is checked before any weight is read."""
+        config = EngineConfig(model=model, **_engine_options(engine_options))
+        tokenizer_override = _load_tokenizer(tokenizer) if tokenizer is not None else None
+        check_before_loading(config)
+        self._attach(create_engine(config))
+        if tokenizer_override is not None:
+            _set_tokenizer(self.engine, tokenizer_override)
 
     def _attach(self, engine) -> None:
         self.engine = engine
@@ -69,7 +80,7 @@ class LLM:
 
         if engine_options.setdefault("dtype", dtype) != dtype:
             raise ValueError(f"dtype={engine_options['dtype']!r}: the params are {dtype}; cast them, or leave dtype out")
-        config = EngineConfig(model=weights.IN_MEMORY, **engine_options)
+        config = EngineConfig(model=weights.IN_MEMORY, **_engine_options(engine_options))
         meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
         first_row = meshes.replica_meshes(meshes.build_mesh(config.tensor_parallel_size,
                                                             config.data_parallel_size))[0]
@@ -101,6 +112,19 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults applied (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's; plain defaults without one."""
+        from jaxrunner.models.loading.hf import sampling_defaults
+
+        return SamplingParams(**sampling_defaults(self.engine.model.generation_config))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefix pages no request holds. True when no cached KV is left (False:
+        running requests still hold some, which stay cached), as vLLM's."""
+        engines = getattr(self.engine, "replicas", [self.engine])
+        return all([engine.scheduler.allocator.reset_prefix_cache() for engine in engines])
 
     # ------------------------------------------------------------------ batch generation
     @property
@@ -169,10 +193,9 @@ class LLM:
         return _stream(loop, request)
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if not isinstance(sampling_params, (list, tuple)):
@@ -309,12 +332,58 @@ def check_conversation(conversation) -> None:
                              f"{type(message.get('content')).__name__}")
 
 
+# vLLM's LLM(...) name -> jaxrunner's EngineConfig field for the same knob
+VLLM_NAMES = {"gpu_memory_utilization": "memory_utilization", "block_size": "page_size"}
+
+
+def _engine_options(options: dict) -> dict:
+    """``options`` with vLLM's names mapped to EngineConfig's; ``enforce_eager`` is accepted and
+    logged (jaxrunner always runs compiled executables, warmed up before serving)."""
+    options = dict(options)
+    if "enforce_eager" in options:
+        eager = options.pop("enforce_eager")
+        if not isinstance(eager, bool):
+            raise ValueError(f"LLM.enforce_eager: invalid value {eager!r}; valid: True or False")
+        if eager:
+            logger.info("enforce_eager=True has no effect: jaxrunner compiles every bucket at start-up "
+                        "and never compiles while serving")
+    for vllm_name, name in VLLM_NAMES.items():
+        if vllm_name in options:
+            if name in options:
+                raise ValueError(f"LLM: both {vllm_name!r} and {name!r} given; they are the same option")
+            options[name] = options.pop(vllm_name)
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        valid = sorted({f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_NAMES) | {"enforce_eager",
+                                                                                               "tokenizer"})
+        raise ValueError(f"LLM: unknown option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return options
+
+
+def _load_tokenizer(path: str):
+    """A tokenizer from a directory (tokenizer.json / tokenizer_config.json) or a .gguf file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"LLM.tokenizer: invalid value {path!r}; valid: a tokenizer directory or a .gguf file")
+    path = os.path.expanduser(os.fspath(path))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from jaxrunner.models.loading.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"LLM.tokenizer: {path!r} is neither a directory nor a .gguf file")
+    from jaxrunner.models.loading.hf import load_hf_tokenizer
+
+    return load_hf_tokenizer(path)
+
+
+def _set_tokenizer(engine, tokenizer) -> None:
+    """Serve with ``tokenizer`` (every replica); its EOS joins the model's."""
+    for replica in getattr(engine, "replicas", [engine]):
+        replica.tokenizer = tokenizer
+        replica.eos_token_ids = replica._eos_token_ids()
+
+
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th of n samples: its own request, its own seed (seed + i when the user fixed one)."""
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _check_model(model) -> None:
-    if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise ValueError(f"model: expected a model alias, a .gguf file or a checkpoint directory, got {model!r}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -24,6 +25,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+logger = logging.getLogger("jaxrunner")
 
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc")
@@ -94,16 +97,16 @@ def build_library(compiler: str, target: Path) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise NativeKernelUnavailable(f"building the native CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-2000:]}")
+            raise NativeKernelUnavailable(f"building the native CPU kernels failed (exit {proc.returncode}): "
+                                          f"{' '.join(cmd)}\n{proc.stderr[-2000:]}".strip())
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-@functools.cache
 def _load() -> None:
-    """Build (or find) the library and register its handler with XLA, once per process."""
+    """Build (or find) the library and register its handler with XLA."""
     if platform.system() != "Linux":
         raise NativeKernelUnavailable(f"the native CPU kernel is built for Linux only, not {platform.system()}")
     compiler = _compiler()
@@ -118,11 +121,18 @@ def _load() -> None:
     jax.ffi.register_ffi_target(MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, MATMUL_SYMBOL)), platform="cpu")
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """None when the kernel is ready; otherwise why it cannot be used here."""
+    """None when the kernel is ready; otherwise why it cannot be used here.
+
+    The build is tried once per process: a failure is remembered (a compiler that failed once
+    fails again, and each try costs a compile) and logged once, as a warning naming the fallback.
+    """
     try:
         _load()
     except (NativeKernelUnavailable, OSError, AttributeError, subprocess.SubprocessError) as err:
+        logger.warning("native CPU kernel unavailable (%s); attention and the KV write use the XLA path "
+                       "(attention_impl='xla'), one-row matmuls use XLA's dot", err)
         return str(err)
     return None
 

@@ -102,6 +102,9 @@ def test_info():
     (["generate", "--model", "/nonexistent", "hi"], "jaxrunner generate: error: model '/nonexistent' not found"),
     (["generate", "--temperature", "-1", "hi"], "jaxrunner generate: error:"),
     (["generate", "--max-tokens", "0", "hi"], "jaxrunner generate: error:"),
+    (["generate", "--max-num-seqs", "0", "hi"],
+     "jaxrunner generate: error: EngineConfig.max_num_seqs: invalid value 0; valid: an integer >= 1"),
+    (["generate", "--max-model-len", "0", "hi"], "jaxrunner generate: error: EngineConfig.max_model_len"),
     (["chat", "--temperature", "-1"], "jaxrunner chat: error:"),
     (["chat", "--model", "/nonexistent"], "jaxrunner chat: error: model '/nonexistent' not found"),
     (["bench", "throughput", "--tensor-parallel-size", "2"],
@@ -115,6 +118,38 @@ def test_info():
 ], ids=lambda v: v[0] + "-" + v[1] if isinstance(v, list) else None)
 def test_bad_input_is_one_line_and_exit_2(args, prefix):
     _one_error_line(jaxrunner(*args), prefix)
+
+
+def test_convert_checks_the_destination_before_loading(tiny_checkpoints, tmp_path):
+    """An existing checkpoint needs --overwrite; a path under a file or a foreign directory is refused;
+    all before the source is read (the source here does not even exist)."""
+    existing = tmp_path / "ckpt"
+    existing.mkdir()
+    (existing / "jaxrunner_checkpoint.json").write_text("{}")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    missing_src = str(tmp_path / "no-such-model")
+    cases = [(existing, "holds a jaxrunner checkpoint; pass --overwrite to replace it"),
+             (tmp_path / "afile" / "sub", "which is a file, not a directory"),
+             (tmp_path / "afile", "is a file"),
+             (tmp_path / "other", "holds no jaxrunner checkpoint")]
+    for dst, message in cases:
+        line = _one_error_line(jaxrunner("convert", missing_src, str(dst)), "jaxrunner convert: error:")
+        assert message in line, line
+
+
+def test_convert_overwrite_replaces_a_checkpoint(tiny_checkpoints, tmp_path):
+    dst = str(tmp_path / "ckpt")
+    _ok(jaxrunner("convert", tiny_checkpoints["llama"], dst))
+    _one_error_line(jaxrunner("convert", tiny_checkpoints["llama"], dst), "jaxrunner convert: error:")
+    assert "wrote " in _ok(jaxrunner("convert", tiny_checkpoints["llama"], dst, "--overwrite")).stdout
+
+
+def test_generate_on_a_model_with_a_short_limit_needs_no_flags(tiny_checkpoints):
+    """A Qwen2 directory with max_position_embeddings=512: the default max_model_len is the model's."""
+    proc = _ok(jaxrunner("generate", "--model", tiny_checkpoints["qwen2"], "--max-tokens", "4", "--json", "hello"))
+    assert len(json.loads(proc.stdout.splitlines()[-1])["token_ids"]) <= 4
 
 
 def test_bad_flag_value_is_argparse_exit_2():

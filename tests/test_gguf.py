@@ -47,6 +47,15 @@ def _byte_tokens() -> list[str]:
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_tokens() + [m.replace(" ", "") for m in MERGES]
 VOCAB = len(TOKENS)
 
+# A SentencePiece ("llama" tokenizer model) vocabulary: specials, byte fallback tokens, pieces
+# spelled with "▁" for spaces, scored best-first, no merges (as Llama 2 files are written).
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "▁he", "▁hel", "▁hell", "▁hello",
+              "▁w", "or", "▁wor", "ld", "▁world", "!", "▁!"]
+SPM_TOKENS = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+              + ["<|im_start|>", "<|im_end|>"])
+SPM_TYPES = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES) + [3, 3]  # unknown, control, byte, normal
+SPM_SCORES = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0, 0.0]
+
 
 def hf_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
     c, rng = TINY, np.random.default_rng(seed)
@@ -107,7 +116,8 @@ def gguf_to_hf_rows(n_head: int, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, sd: dict[str, np.ndarray], qtype, *, permute_qk: bool | None = None,
-               extra=None, arch_keys: str | None = None, theta: float | None = None) -> str:
+               extra=None, arch_keys: str | None = None, theta: float | None = None,
+               tokenizer_pre: str = "default", add_bos: bool = False, sentencepiece: bool = False) -> str:
     """Write ``sd`` the way llama.cpp's converter does (q/k permuted for llama), tensors in ``qtype``."""
     c = TINY
     if permute_qk is None:
@@ -124,14 +134,21 @@ def write_gguf(path, arch: str, sd: dict[str, np.ndarray], qtype, *, permute_qk:
     if arch == "llama":
         w.add_rope_dimension_count(c["head_dim"])
         w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
-    w.add_token_merges(MERGES)
+    if sentencepiece:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(SPM_TOKENS)
+        w.add_token_types(SPM_TYPES)
+        w.add_token_scores(SPM_SCORES)
+        w.add_unk_token_id(0)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(tokenizer_pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
+        w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
     for hf, arr in sd.items():
         if permute_qk and (".q_proj." in hf or ".k_proj." in hf):
@@ -433,6 +450,41 @@ def test_tokenizer_matches_auto_tokenizer(files, arch):
     assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     assert (ours.bos_token, ours.eos_token, len(ours)) == (ref.bos_token, ref.eos_token, len(ref))
+
+
+@pytest.mark.parametrize("pre,add_bos", [("qwen2", False), ("llama-bpe", True), ("smollm", True)])
+def test_tokenizer_pre_split_and_bos_match_auto_tokenizer(tmp_path, pre, add_bos):
+    """The split regex named by tokenizer.ggml.pre and add_bos_token are honoured as transformers does."""
+    import transformers
+
+    path = write_gguf(tmp_path / "t.gguf", "llama", hf_weights("llama", tied=False), Q.F32, tokenizer_pre=pre, add_bos=add_bos)
+    ours = load_gguf_tokenizer(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf", local_files_only=True)
+    for text in ["hello world", "hello's 12345 world\n\n  x", "<|im_start|>hello"]:
+        assert ours(text).input_ids == ref(text).input_ids, text
+        assert ours.decode(ours(text).input_ids) == ref.decode(ref(text).input_ids), text
+    assert (ours(["hello"]).input_ids[0][0] == 1) is add_bos
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_sentencepiece_tokenizer_matches_auto_tokenizer(tmp_path, add_bos):
+    """A "llama" (SentencePiece BPE) vocabulary without merges, built without torch, encodes and
+    decodes as AutoTokenizer's (byte fallback for characters outside the vocabulary)."""
+    import transformers
+
+    path = write_gguf(tmp_path / "spm.gguf", "llama", hf_weights("llama", tied=False), Q.F32, sentencepiece=True,
+                      add_bos=add_bos)
+    ours = load_gguf_tokenizer(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf", local_files_only=True)
+    for text in ["hello world", " hello  world\n", "<|im_start|>hello<|im_end|> world!", "héllo wörld!", "hello"]:
+        assert ours(text).input_ids == ref(text).input_ids, (text, ours(text).input_ids, ref(text).input_ids)
+        ids = ours(text).input_ids
+        assert ours.decode(ids) == ref.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+    assert (ours(["hello"]).input_ids[0][0] == 1) is add_bos
+    chat = [{"role": "user", "content": "hello"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
 def test_fast_reader_parses_what_gguf_reader_parses(files):

@@ -218,6 +218,16 @@ class PageAllocator:
         self._key_of_page = [None] * self.num_pages
         self._stale_requests.update(live_request_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page nobody holds (they become plain free pages). True when no
+        cached KV is left; False when requests still hold registered pages (those stay cached)."""
+        for page in self._evictable:
+            del self._page_by_key[self._key_of_page[page]]
+            self._key_of_page[page] = None
+            self._free.append(page)
+        self._evictable.clear()
+        return not self._page_by_key
+
     # -- page states --------------------------------------------------------------------------
 
     def _key(self, parent_hash: int, tokens: list[int], page_index: int) -> PageKey:

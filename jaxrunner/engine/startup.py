@@ -24,14 +24,24 @@ from jaxrunner.runner import warmup
 logger = logging.getLogger("jaxrunner")
 
 
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """JAX's persistent compilation cache, so a second start-up of the same config compiles less."""
+def enable_compilation_cache(cache_dir: str | None) -> str | None:
+    """JAX's persistent compilation cache, so a second start-up of the same config compiles less.
+
+    The setting is process-wide: a directory already set in ``jax.config`` (by the user, or by an
+    earlier engine) is kept as it is. Returns the directory in use (None: no persistent cache)."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        if cache_dir and os.path.abspath(current) != os.path.abspath(cache_dir):
+            logger.info("compilation cache: keeping %s, already set in jax.config (not %s)", current, cache_dir)
+        return current
     if not cache_dir:
-        return
+        return None
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    logger.info("compilation cache: set jax_compilation_cache_dir to %s", cache_dir)
+    return cache_dir
 
 
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
@@ -44,26 +54,55 @@ def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla
     return dtype
 
 
-def resolve_max_model_len(config: EngineConfig, model: LoadedModel) -> int:
-    limit = model.config.max_position_embeddings
+def model_max_len(cfg) -> tuple[int, str]:
+    """The longest sequence the model takes, and which field says so: ``max_position_embeddings``,
+    times the factor of a linear rope scaling (as vLLM derives it; llama3 scaling's
+    ``max_position_embeddings`` is already the scaled length)."""
+    scaling = cfg.rope_scaling_dict or {}
+    if scaling.get("rope_type") == "linear":
+        factor = float(scaling.get("factor", 1.0))
+        return int(cfg.max_position_embeddings * factor), f"max_position_embeddings × linear rope factor {factor:g}"
+    return cfg.max_position_embeddings, "max_position_embeddings"
+
+
+def resolve_max_model_len(config: EngineConfig, model_config) -> tuple[int, str]:
+    """(max_model_len before the KV pool is sized, why): the requested one, checked against the
+    model's limit, or that limit."""
+    limit, field = model_max_len(model_config)
     if config.max_model_len is None:
-        return limit
+        return limit, f"the model's {field}"
     if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({limit})")
-    return config.max_model_len
+        raise ValueError(f"EngineConfig.max_model_len: {config.max_model_len} exceeds the model's "
+                         f"{field} ({limit}); valid: 1..{limit}, or None for the model's limit")
+    return config.max_model_len, "requested"
+
+
+def fit_max_model_len(config: EngineConfig, max_model_len: int, why: str, num_pages: int) -> tuple[int, str]:
+    """A default max_model_len lowered to what the pool holds for one sequence (a requested one is kept)."""
+    holds = (num_pages - 1) * config.page_size  # the scratch page holds no tokens
+    if config.max_model_len is None and holds < max_model_len:
+        return holds, f"the KV pool holds {holds} tokens for one sequence (below {why}, {max_model_len})"
+    return max_model_len, why
+
+
+def provisional_num_pages(bucket, bytes_per_page: int, room_bytes: int) -> int:
+    """Pages of the pool the largest bucket is profiled against: as many as it can address, but
+    within a tenth of the memory left after the weights (the model's own max_model_len can make a
+    bucket address more pages than the device holds; the dummy batch then repeats pages)."""
+    return int(max(2, min(bucket.num_seqs * bucket.num_pages + 1, room_bytes // 10 // bytes_per_page)))
 
 
 def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KVCacheSpec, config,
-                              max_model_len: int, mesh) -> int:
+                              max_model_len: int, mesh, room_bytes: int) -> int:
     """Peak temporaries of the largest bucket, compiled once against a provisional small pool.
 
     Only where the device reports its memory (GPU, TPU): there the pool takes what is left, so the
-    activations must be known first. The provisional pool's pages are the fewest that bucket can
-    address, so the extra compile costs no real memory.
+    activations must be known first. The provisional pool is small (:func:`provisional_num_pages`),
+    so the extra compile costs little memory.
     """
     largest = max(plan.buckets())
-    spec = dataclasses.replace(template, num_pages=largest.num_seqs * largest.num_pages + 1)
+    bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
+    spec = dataclasses.replace(template, num_pages=provisional_num_pages(largest, bytes_per_page, room_bytes))
     runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh,
                          max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs,
                          architecture=model.architecture)
@@ -76,17 +115,19 @@ def _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh
     """(num_pages, how it was chosen, activation bytes profiled), all per device of ``mesh``: each
     holds its shard of the weights and ``1 / tp`` of every page (the pool is split by KV heads)."""
     weights_bytes = max(sharding.bytes_per_device(model.params).values())
+    bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
+    warmup.check_pool_fits(budget, weights_bytes, bytes_per_page, config.num_pages, config.kv_cache_memory_bytes)
     if config.num_pages is not None:
-        warmup.check_weights_fit(budget, weights_bytes)
         return config.num_pages, "num_pages given", 0
     activation_bytes = 0
     if budget.device_bytes is not None and config.kv_cache_memory_bytes is None:
         warmup.check_weights_fit(budget, weights_bytes)
-        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len, mesh)
+        activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len, mesh,
+                                                     budget.budget_bytes - weights_bytes)
     pages_per_seq = math.ceil(max_model_len / config.page_size)
     num_pages, how = warmup.size_kv_pool(
         budget=budget, weights_bytes=weights_bytes, activation_bytes=activation_bytes,
-        bytes_per_page=template.bytes_per_page // meshes.tensor_parallel_size(mesh),
+        bytes_per_page=bytes_per_page,
         max_useful_pages=config.max_num_seqs * pages_per_seq + 1, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     return num_pages, how, activation_bytes
 
@@ -97,19 +138,22 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     Returns (runner, bucket plan, max_model_len, start-up report).
     """
     t0 = time.perf_counter()
-    enable_compilation_cache(config.compilation_cache_dir)
-    max_model_len = resolve_max_model_len(config, model)
-    plan = BucketPlan.from_limits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
-                                  config.page_size, min_tokens=config.min_token_bucket)
-    logger.info("bucket plan: %s", plan.describe())
+    cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+    max_model_len, why = resolve_max_model_len(config, model.config)
+    plan = _bucket_plan(config, max_model_len)
     cfg = model.config
     mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
     device = meshes.local_device(mesh)
     budget = warmup.memory_budget(device, config.memory_utilization)
     impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           config.kv_cache_dtype or default_kv_cache_dtype(config.dtype, device.platform, impl))
+                           config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
+    fitted, why = fit_max_model_len(config, max_model_len, why, num_pages)
+    if fitted != max_model_len:
+        max_model_len, plan = fitted, _bucket_plan(config, fitted)
+    logger.info("max_model_len %d: %s", max_model_len, why)
+    logger.info("bucket plan: %s", plan.describe())
     spec = dataclasses.replace(template, num_pages=num_pages)
     runner = ModelRunner(cfg, model.params, spec, impl, mesh=mesh, max_prefill_seqs=config.max_num_prefill_seqs,
                          max_seqs_per_step=max(bucket.num_seqs for bucket in plan.buckets()),
@@ -127,6 +171,8 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
+    report.update(max_model_len_source=why, compilation_cache_dir=cache_dir,
+                  native_cpu_kernel=_native_kernel_status(device.platform))
     if model.kv_head_replication > 1:
         logger.warning("tensor_parallel_size=%d exceeds the model's %d KV heads: each KV head is replicated onto %d "
                        "shards (the KV pool holds %d heads)", report["tensor_parallel_size"],
@@ -135,6 +181,21 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                 len(buckets), report["compile_s_total"], num_pages, report["kv_tokens"],
                 spec.nbytes / 2**20, runner.attention_impl)
     return runner, plan, max_model_len, report
+
+
+def _bucket_plan(config: EngineConfig, max_model_len: int) -> BucketPlan:
+    return BucketPlan.from_limits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
+                                  config.page_size, min_tokens=config.min_token_bucket)
+
+
+def _native_kernel_status(platform: str) -> str:
+    """"ready", "not used on <platform>", or why the native CPU kernel could not be built."""
+    if platform != "cpu":
+        return f"not used on {platform}"
+    from jaxrunner.kernels import native
+
+    reason = native.unavailable_reason()
+    return "ready" if reason is None else f"unavailable, XLA fallback in use: {reason}"
 
 
 def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, activation_bytes, *,
@@ -147,7 +208,8 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "load_s": model.load_seconds,
         "weights_bytes": model.nbytes,
         "num_params": model.num_params,
-        "dtype": config.dtype,
+        "dtype": model.dtype,
+        "dtype_reason": model.dtype_reason,
         "device": str(runner.device),
         "platform": runner.device.platform,
         "mesh": meshes.describe(runner.mesh),
@@ -176,5 +238,4 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "max_model_len": max_model_len,
         "max_concurrency_at_max_model_len": usable_tokens / max_model_len,
         "attention_self_check_max_abs_error": check_error,
-        "compilation_cache_dir": config.compilation_cache_dir,
     }

@@ -30,6 +30,8 @@ class LoadedModel:
     load_seconds: float
     mesh: object = None          # the jax.sharding.Mesh the params live on (None: default device)
     kv_head_replication: int = 1  # >1: each KV head was copied onto this many tensor-parallel shards
+    dtype_reason: str = "requested"  # why ``dtype`` was chosen (``dtype="auto"`` resolves per device)
+    generation_config: dict | None = None  # an HF directory's generation_config.json, when present
     architecture: object = None   # forward/compute_logits over params; None: the Llama family of ``config``
 
     @property
@@ -53,6 +55,100 @@ class _HostWeights:
     state: Mapping | None = None
 
 
+@dataclasses.dataclass
+class ModelPeek:
+    """What a model's files say before any weight is read: enough to check options against."""
+    source: ModelSource
+    config: ModelConfig
+    checkpoint_dtype: str        # "float32" | "bfloat16" | "float16" | "quantized"
+
+
+def peek_model(model: str) -> ModelPeek:
+    """Read ``model``'s config (config.json, the GGUF metadata and tensor table, or the checkpoint
+    marker) and stored dtype, without reading any weight."""
+    source = resolve_model(model)
+    if source.kind == "orbax":
+        from jaxrunner.models.loading.orbax_ckpt import read_checkpoint_info
+
+        stored = read_checkpoint_info(source.path).get("dtype", "float32")
+        return ModelPeek(source, _orbax_config(source), stored if stored in _FLOAT_DTYPES else "float32")
+    if source.kind == "gguf":
+        checkpoint = _open_gguf(source.path, keep=True)
+        return ModelPeek(source, ModelConfig.from_hf_dict(checkpoint.hf_config, source=source.path),
+                         _gguf_dtype(checkpoint.tensor_types))
+    from jaxrunner.models.loading.hf import read_hf_config
+
+    hf_config = read_hf_config(source.path)
+    stored = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+    return ModelPeek(source, ModelConfig.from_hf_dict(hf_config, source=source.path),
+                     stored if stored in _FLOAT_DTYPES else "float32")
+
+
+_peeked_gguf: dict = {}  # (path, size, mtime) -> the GGUFCheckpoint peek_model opened, for the load that follows
+
+
+def _open_gguf(path: str, keep: bool):
+    """``open_gguf``, parsed once for a peek and the load after it (the metadata takes ~1 s to parse);
+    ``keep=False`` (the load) hands the cached one over and forgets it."""
+    from jaxrunner.models.loading.gguf import open_gguf
+
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    checkpoint = _peeked_gguf.get(key) or open_gguf(path)
+    _peeked_gguf.clear()
+    if keep:
+        _peeked_gguf[key] = checkpoint
+    return checkpoint
+
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_GGUF_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _gguf_dtype(tensor_types: dict[str, str]) -> str:
+    """A GGUF's stored dtype: that of its matrices (norms are F32 in every file), else "quantized"."""
+    kinds = {kind for name, kind in tensor_types.items() if not name.endswith("norm.weight")}
+    kinds = {_GGUF_FLOAT_TYPES.get(kind, "quantized") for kind in kinds}
+    return kinds.pop() if len(kinds) == 1 else "quantized"
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str) -> tuple[str, str]:
+    """(compute dtype, why), logged: ``"auto"`` and ``"float16"`` depend on the device."""
+    from jaxrunner.runner.precision import choose_dtype
+
+    dtype, why = choose_dtype(requested, checkpoint_dtype, platform)
+    if requested in ("auto", dtype):
+        logger.info("dtype %s: %s", dtype, why)
+    else:
+        logger.warning("dtype %s instead of %s: %s", dtype, requested, why)
+    return dtype, why
+
+
+def read_generation_config(source: ModelSource) -> dict | None:
+    """generation_config.json of an HF directory or a jaxrunner checkpoint converted from one
+    (GGUF files carry none)."""
+    if source.kind == "gguf":
+        return None
+    from jaxrunner.models.loading.hf import read_generation_config as read
+
+    return read(source.path)
+
+
+def _with_generation_eos(config: ModelConfig, generation_config: dict | None) -> ModelConfig:
+    """The generation config's EOS ids stop generation too (Llama 3 lists <|eot_id|> there)."""
+    extra = (generation_config or {}).get("eos_token_id")
+    if extra is None:
+        return config
+    extra = extra if isinstance(extra, list) else [extra]
+    return dataclasses.replace(config, eos_token_ids=tuple(sorted({*config.eos_token_ids, *map(int, extra)})))
+
+
+def _platform(mesh) -> str:
+    import jax
+
+    return mesh.devices.flat[0].platform if mesh is not None else jax.devices()[0].platform
+
+
 def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
     """(hf_config, weights, tokenizer) from any source kind."""
     if source.kind == "orbax":
@@ -62,10 +158,11 @@ def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
         ModelConfig.from_hf_dict(hf_config, source=source.path)  # validate before use
         return hf_config, _HostWeights(params=params), tokenizer
     if source.kind == "gguf":
-        from jaxrunner.models.loading.gguf import load_gguf_tokenizer, open_gguf
+        from jaxrunner.models.loading.gguf import load_gguf_tokenizer
 
-        checkpoint = open_gguf(source.path)
-        hf_config, state, tokenizer = checkpoint.hf_config, checkpoint.state_dict, load_gguf_tokenizer(source.path)
+        checkpoint = _open_gguf(source.path, keep=False)
+        hf_config, state = checkpoint.hf_config, checkpoint.state_dict
+        tokenizer = load_gguf_tokenizer(source.path, checkpoint.reader)
     else:
         from jaxrunner.models.loading.hf import load_hf_tokenizer, open_hf_state_dict, read_hf_config
 
@@ -131,9 +228,12 @@ def _restore_sharded(source: ModelSource, cfg: ModelConfig, dtype: str, mesh):
 
 
 def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=None) -> LoadedModel:
-    """Load ``model`` as ``dtype``; with ``mesh`` (``("data", "model")`` axes, one data row), shard it."""
-    source = resolve_model(model)
+    """Load ``model`` as ``dtype`` ("auto": see ``runner/precision.py``); with ``mesh``
+    (``("data", "model")`` axes, one data row), shard it."""
     start = time.perf_counter()
+    source, reason = resolve_model(model), "requested"
+    if dtype in ("auto", "float16"):
+        dtype, reason = resolve_dtype(dtype, peek_model(model).checkpoint_dtype, _platform(mesh))
     orbax_cfg = _orbax_config(source)
     if orbax_cfg is not None and mesh is not None and _restores_into_shards(orbax_cfg, mesh):
         hf_config, params, tokenizer = _restore_sharded(source, orbax_cfg, dtype, mesh)
@@ -142,7 +242,9 @@ def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=N
         hf_config, weights, tokenizer = _read_host(source)
         params, config, replication = _place(weights, ModelConfig.from_hf_dict(hf_config, source=source.path),
                                              dtype, mesh, source.path, progress)
+    generation_config = read_generation_config(source)
+    config = _with_generation_eos(config, generation_config)
     loaded = LoadedModel(config, hf_config, params, tokenizer, source, dtype, time.perf_counter() - start,
-                         mesh, replication)
+                         mesh, replication, reason, generation_config)
     logger.info(loaded.summary())
     return loaded

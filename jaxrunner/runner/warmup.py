@@ -163,6 +163,26 @@ def check_weights_fit(budget: MemoryBudget, weights_bytes: int) -> None:
             f"{(weights_bytes - budget.budget_bytes) / 2**20:.1f} MiB")
 
 
+def check_pool_fits(budget: MemoryBudget, weights_bytes: int, bytes_per_page: int, num_pages: int | None,
+                    kv_cache_memory_bytes: int | None) -> None:
+    """A pool sized by the user (``num_pages`` or ``kv_cache_memory_bytes``) must fit beside the
+    weights: refused with the numbers before anything is allocated (allocating it layer by layer
+    would run until the process is killed)."""
+    check_weights_fit(budget, weights_bytes)
+    left = budget.budget_bytes - weights_bytes
+    asked = [("num_pages", num_pages, None if num_pages is None else num_pages * bytes_per_page),
+             ("kv_cache_memory_bytes", kv_cache_memory_bytes, kv_cache_memory_bytes)]
+    for name, value, pool_bytes in asked:
+        if pool_bytes is not None and pool_bytes > left:
+            valid = (f"num_pages <= {left // bytes_per_page}" if name == "num_pages" else
+                     f"kv_cache_memory_bytes <= {left}")
+            raise ValueError(
+                f"EngineConfig.{name}={value}: the KV pool needs {pool_bytes / 2**30:.2f} GiB "
+                f"({bytes_per_page} bytes per page) but {left / 2**30:.2f} GiB is left of the "
+                f"{budget.budget_bytes / 2**30:.2f} GiB budget ({budget.source}) after "
+                f"{weights_bytes / 2**30:.2f} GiB of weights; valid: {valid}")
+
+
 def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: int, bytes_per_page: int,
                  max_useful_pages: int, kv_cache_memory_bytes: int | None) -> tuple[int, str]:
     """Number of KV pages, and a sentence saying how it was chosen."""

@@ -114,6 +114,7 @@ class GGUFCheckpoint:
     path: str = ""
     tensor_types: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    reader: Any = None  # the parsed file (open_gguf only): load_gguf_tokenizer can reuse it
 
 
 # ----------------------------------------------------------------------------- Q/K layout
@@ -483,7 +484,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
             cfg["rope_scaling"] = scaling
     types = {hf: tensors[g].tensor_type.name for hf, g in names.items()}
     return GGUFCheckpoint(hf_config=cfg, state_dict=DequantizedTensors(reader, names, shapes, qk_heads, path),
-                          path=path, tensor_types=types, metadata=_metadata(reader))
+                          path=path, tensor_types=types, metadata=_metadata(reader), reader=reader)
 
 
 def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoint:
@@ -563,30 +564,60 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_gguf_tokenizer(path: str | os.PathLike):
+def load_gguf_tokenizer(path: str | os.PathLike, reader=None):
     """A transformers fast tokenizer built offline from the GGUF metadata (chat template included).
 
-    ``PreTrainedTokenizerFast.from_pretrained(dirname, gguf_file=basename)`` converts the file's
-    ``tokenizer.ggml.*`` metadata the way ``AutoTokenizer`` does (same converter, same token ids),
-    without the hub. ``AutoTokenizer`` was not used: for llama/qwen2 files it first re-reads the
-    whole file through transformers' legacy GGUF path only to choose a wrapper class, 4 of its
-    4.3 s on SmolLM2 (the conversion itself takes 0.3 s). Errors like :func:`load_gguf`, plus
-    :class:`UnsupportedGGUFError` when transformers cannot build a tokenizer from the metadata.
+    Byte-level BPE files (``tokenizer.ggml.model = "gpt2"``: SmolLM2, Llama 3, Qwen2) and
+    SentencePiece BPE files (``"llama"``: Llama 2, Mistral) are built with the ``tokenizers`` library
+    from the parsed metadata (:mod:`.gguf_tokenizer`), so no torch is imported; other tokenizer
+    models go through transformers' GGUF converter, which needs torch.
+    Errors like :func:`load_gguf`, plus :class:`GGUFFormatError` for a file without a tokenizer and
+    :class:`UnsupportedGGUFError` when no tokenizer can be built from the metadata.
     """
     path = os.fspath(path)
-    _check_file(path)
+    reader = reader if reader is not None else _open_reader(path)  # ``reader``: open_gguf's, parsed already
+    kind = _field_value(reader, "tokenizer.ggml.model")
+    if kind is None:
+        raise GGUFFormatError(f"{path}: GGUF file holds no tokenizer (no tokenizer.ggml.model)", path)
+    if kind not in ("gpt2", "llama"):
+        return _transformers_gguf_tokenizer(path, kind)
+    from jaxrunner.models.loading import gguf_tokenizer
+
+    tokens = _field_value(reader, "tokenizer.ggml.tokens")
+    merges = _field_value(reader, "tokenizer.ggml.merges")
+    if not tokens or (kind == "gpt2" and merges is None):
+        raise GGUFFormatError(f"{path}: {kind} tokenizer without tokenizer.ggml.tokens"
+                              + (" or .merges" if kind == "gpt2" else ""), path)
+    ids = {name: _field_value(reader, f"tokenizer.ggml.{key}") for name, key in
+           (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"))}
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+    add_bos = bool(_field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    types = _field_value(reader, "tokenizer.ggml.token_type")
+    try:
+        if kind == "gpt2":
+            backend = gguf_tokenizer.byte_level_bpe(tokens, merges, types, _field_value(reader, "tokenizer.ggml.pre"),
+                                                    ids["bos_token"], add_bos)
+        else:
+            backend = gguf_tokenizer.sentencepiece_bpe(tokens, _field_value(reader, "tokenizer.ggml.scores"), merges,
+                                                       types, ids["bos_token"], add_bos)
+    except Exception as e:  # the tokenizers library rejects inconsistent vocabularies / merges
+        raise UnsupportedGGUFError(f"{path}: could not build a tokenizer from the GGUF metadata "
+                                   f"({type(e).__name__}: {e})", path) from e
+    return gguf_tokenizer.wrap(backend, tokens, ids, _field_value(reader, "tokenizer.chat_template"), add_bos)
+
+
+def _transformers_gguf_tokenizer(path: str, kind: str):
+    """transformers' GGUF converter (needs torch): tokenizer models other than byte-level BPE."""
     from transformers import PreTrainedTokenizerFast
 
     directory, name = os.path.split(os.path.abspath(path))
     try:
         tok = PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
     except Exception as e:
-        reader = _open_reader(path)  # raises GGUFFormatError for a truncated / corrupt file
-        if "tokenizer.ggml.model" not in reader.fields:
-            raise GGUFFormatError(f"{path}: GGUF file holds no tokenizer (no tokenizer.ggml.model)", path) from e
         raise UnsupportedGGUFError(
-            f"{path}: could not build a transformers tokenizer from the GGUF metadata "
-            f"({type(e).__name__}: {e})", path) from e
+            f"{path}: could not build a transformers tokenizer for tokenizer.ggml.model={kind!r} "
+            f"({type(e).__name__}: {e}); only 'gpt2' and 'llama' tokenizers are built without torch", path) from e
     if not getattr(tok, "chat_template", None):
         chat_template = _field_value(_open_reader(path), "tokenizer.chat_template")
         if chat_template:

@@ -99,3 +99,31 @@ def load_hf_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+# generation_config.json key -> SamplingParams field, the keys vLLM takes as sampling defaults
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_config(model_dir: str) -> dict | None:
+    """The directory's generation_config.json (None when absent)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise CheckpointFormatError(f"{path}: expected a JSON object")
+    return config
+
+
+def sampling_defaults(generation_config: dict | None) -> dict:
+    """SamplingParams overrides from a generation config, as vLLM applies them by default."""
+    if not generation_config:
+        return {}
+    return {field: generation_config[key] for key, field in GENERATION_DEFAULTS.items()
+            if generation_config.get(key) is not None}

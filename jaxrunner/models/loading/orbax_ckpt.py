@@ -77,8 +77,9 @@ def _to_host(params):
 
 
 def save_checkpoint(dst_dir: str | os.PathLike, params, hf_config: dict, tokenizer=None, *,
-                    overwrite: bool = False) -> str:
-    """Write ``params`` (pytree of jax/numpy arrays), ``hf_config`` and ``tokenizer`` to ``dst_dir``.
+                    overwrite: bool = False, generation_config: dict | None = None) -> str:
+    """Write ``params`` (pytree of jax/numpy arrays), ``hf_config``, ``tokenizer`` and the source's
+    ``generation_config`` (as generation_config.json) to ``dst_dir``.
 
     ``dst_dir`` must not exist, be empty, or (with ``overwrite=True``) hold a jaxrunner checkpoint,
     which is replaced. The marker file is written last, so an interrupted save is recognised as
@@ -113,6 +114,9 @@ def save_checkpoint(dst_dir: str | os.PathLike, params, hf_config: dict, tokeniz
         json.dump(hf_config, f, indent=2, sort_keys=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(dst)
+    if generation_config is not None:
+        with open(os.path.join(dst, "generation_config.json"), "w") as f:
+            json.dump(generation_config, f, indent=2, sort_keys=True)
     marker = {
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_FORMAT_VERSION,

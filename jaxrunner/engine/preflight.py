@@ -1,0 +1,55 @@
+"""Checks of an EngineConfig against the model's files and the machine, before any weight is read.
+
+``EngineConfig`` checks values alone. What needs the model (its length limit, its head counts)
+or the machine (the memory a user-sized KV pool would take) is checked here, from the model's
+config file (config.json, the GGUF metadata, a checkpoint's marker), in about a second: a wrong
+option fails before minutes of loading, with nothing allocated. Start-up checks the same bounds
+again with the exact numbers (``engine/startup.py``).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxrunner import kernels
+from jaxrunner.config import EngineConfig
+from jaxrunner.engine.startup import default_kv_cache_dtype, resolve_max_model_len
+from jaxrunner.models.config import ModelConfig
+from jaxrunner.models.loader import peek_model
+from jaxrunner.parallel import distributed, mesh as meshes
+from jaxrunner.runner import warmup
+from jaxrunner.runner.model_runner import KVCacheSpec
+from jaxrunner.runner.precision import choose_dtype
+
+
+def check_before_loading(config: EngineConfig) -> None:
+    """Raise ``ValueError`` (naming the option and its valid values) for what cannot work with
+    this model on this machine."""
+    distributed.initialize_from_env()  # before any device is touched; a no-op unless configured
+    meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
+    peek = peek_model(config.model)
+    cfg = peek.config
+    resolve_max_model_len(config, cfg)
+    meshes.check_tensor_parallel(cfg, config.tensor_parallel_size)
+    if config.num_pages is None and config.kv_cache_memory_bytes is None:
+        return
+    device = jax.local_devices()[0]
+    dtype, _ = choose_dtype(config.dtype, peek.checkpoint_dtype, device.platform)
+    impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
+    kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, device.platform, impl)
+    tp = config.tensor_parallel_size
+    budget = warmup.memory_budget(device, config.memory_utilization)
+    warmup.check_pool_fits(budget, estimated_weights_bytes(cfg, dtype, config.quantization) // tp,
+                           kv_bytes_per_page(cfg, config.page_size, kv_dtype) // tp,
+                           config.num_pages, config.kv_cache_memory_bytes)
+
+
+def estimated_weights_bytes(cfg: ModelConfig, dtype: str, quantization: str | None) -> int:
+    """The served weights' size (int8: one byte per parameter, scales left out)."""
+    itemsize = 1 if quantization == "int8" else np.dtype(jax.numpy.dtype(dtype)).itemsize
+    return cfg.num_params() * itemsize
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, kv_dtype: str) -> int:
+    """Keys and values of every layer for one page."""
+    return KVCacheSpec(0, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype).bytes_per_page
