@@ -22,7 +22,8 @@ from jaxrunner.models.config import ModelConfig
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "prompt_lens", "lengths", "prompt_index"], meta_fields=[])
+                   data_fields=["tokens", "prompt_lens", "lengths", "prompt_index", "sampled_logprobs"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Rollouts:
     """Every sample of every prompt, one row each, right-padded with 0 to a common length (a pytree:
@@ -32,6 +33,9 @@ class Rollouts:
     prompt_lens: jax.Array   # [B] int32
     lengths: jax.Array       # [B] int32: prompt + completion
     prompt_index: jax.Array  # [B] int32: which output (prompt) each row came from
+    # [B, L] float32: each completion token's logprob when it was sampled (the behaviour policy's,
+    # for importance ratios), 0 elsewhere; None unless the outputs carry logprobs (logprobs=0)
+    sampled_logprobs: jax.Array | None = None
 
     @property
     def completion_mask(self) -> jax.Array:
@@ -43,21 +47,28 @@ class Rollouts:
 def pad_rollouts(outputs, length: int | None = None) -> Rollouts:
     """``RequestOutput``s (each with its n completions) as one padded batch on the device.
     ``length``: pad to this many tokens (a fixed shape compiles the loss once); default the longest."""
-    rows, prompt_lens, prompt_index = [], [], []
+    rows, prompt_lens, prompt_index, sampled = [], [], [], []
     for index, output in enumerate(outputs):
         for completion in output.outputs:
             rows.append(list(output.prompt_token_ids) + list(completion.token_ids))
             prompt_lens.append(len(output.prompt_token_ids))
             prompt_index.append(index)
+            sampled.append(None if completion.logprobs is None else
+                           [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)])
     longest = max(len(row) for row in rows)
     length = longest if length is None else length
     if longest > length:
         raise ValueError(f"length={length}: a rollout has {longest} tokens")
     tokens = np.zeros((len(rows), length), np.int32)
+    logprobs = np.zeros((len(rows), length), np.float32)
     for i, row in enumerate(rows):
         tokens[i, :len(row)] = row
+        if sampled[i] is not None:
+            logprobs[i, prompt_lens[i]:len(row)] = sampled[i]
+    has_logprobs = all(values is not None for values in sampled)
     return Rollouts(jnp.asarray(tokens), jnp.asarray(prompt_lens, jnp.int32),
-                    jnp.asarray([len(row) for row in rows], jnp.int32), jnp.asarray(prompt_index, jnp.int32))
+                    jnp.asarray([len(row) for row in rows], jnp.int32), jnp.asarray(prompt_index, jnp.int32),
+                    jnp.asarray(logprobs) if has_logprobs else None)
 
 
 def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:

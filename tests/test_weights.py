@@ -146,8 +146,8 @@ def test_rollout_logprobs_are_the_served_models(llm, prompts):
     """The differentiable sequence log-probs used for training equal what the engine sampled with."""
     from jaxrunner.rollouts import completion_logprob_sums, pad_rollouts, sequence_logprobs
 
-    outputs = llm.generate(prompts[:3], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True),
-                           use_tqdm=False)
+    outputs = llm.generate(prompts[:3], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True,
+                                                       logprobs=0), use_tqdm=False)
     rollouts = pad_rollouts(outputs, length=64)
     assert rollouts.tokens.shape == (6, 64) and list(rollouts.prompt_index) == [0, 0, 1, 1, 2, 2]
     config = llm.engine.model.config
@@ -158,6 +158,7 @@ def test_rollout_logprobs_are_the_served_models(llm, prompts):
         got = per_token[row, start:start + len(completion.token_ids)]
         assert float(sums[row]) == pytest.approx(completion.cumulative_logprob, abs=1e-3)
         assert float(got.sum()) == pytest.approx(completion.cumulative_logprob, abs=1e-3)
+        np.testing.assert_allclose(np.asarray(got), rollouts.sampled_logprobs[row, start:start + len(got)], atol=1e-4)
     grads = jax.grad(lambda p: completion_logprob_sums(p, config, rollouts).sum())(llm.params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 

@@ -259,7 +259,7 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(
             request, valid.prompt, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                           params.stop,
-                                                          getattr(params, "include_stop_str_in_output", False)),
+                                                          params.include_stop_str_in_output),
             max_tokens, [] if params.logprobs is not None else None,
             [None] * len(token_ids) if params.prompt_logprobs is not None else None)
 
