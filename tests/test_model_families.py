@@ -8,11 +8,13 @@ subprocess for all families).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,6 +132,39 @@ def test_logits_match_transformers(checkpoints, family):
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 1e-4
 
 
+def _paged_meta(start: int, stop: int, page_size: int = 8, pages_per_seq: int = 6) -> dict:
+    """One sequence's tokens [start, stop) as one step over pages 1, 2, ... (page 0 is scratch)."""
+    positions = np.arange(start, stop)
+    pages = np.arange(1, pages_per_seq + 1, dtype=np.int32)
+    return {"slot_mapping": jnp.asarray(pages[positions // page_size] * page_size + positions % page_size, jnp.int32),
+            "kv_lens": jnp.asarray([stop], jnp.int32), "page_indices": jnp.asarray(pages[None]),
+            "cu_q_lens": jnp.asarray([0, stop - start], jnp.int32), "num_seqs": jnp.asarray([1], jnp.int32)}
+
+
+@pytest.mark.parametrize("impl", ["xla", "native", "pallas"])
+def test_gemma_windows_and_caps_reach_every_kernel(checkpoints, impl):
+    """Gemma 2's per-layer windows and attention caps through each paged kernel (pallas interprets
+    on CPU): a 40-token prompt prefilled in two chunks gives the dense forward's logits."""
+    from jaxrunner.kernels import native
+    from jaxrunner.models.attention import PagedAttention
+    from jaxrunner.runner.model_runner import KVCacheSpec
+
+    if impl == "native" and not native.available():
+        pytest.skip(native.unavailable_reason())
+    loaded = load_model(checkpoints["gemma2"], "float32", progress=False)
+    cfg, arch = loaded.config, registry.architecture_for(loaded.config)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 512, 40))
+    dense, _ = arch.forward(loaded.params, ids, jnp.arange(40), [None] * cfg.num_layers, jnp.zeros(40, jnp.int32),
+                            DenseAttention())
+    cache = KVCacheSpec(8, 8, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32").allocate()
+    step = jax.jit(functools.partial(arch.forward, attention=PagedAttention(impl)))
+    chunks = []
+    for start, stop in ((0, 24), (24, 40)):
+        hidden, cache = step(loaded.params, ids[start:stop], jnp.arange(start, stop), cache, _paged_meta(start, stop))
+        chunks.append(arch.compute_logits(loaded.params, hidden))
+    np.testing.assert_allclose(np.concatenate(chunks), arch.compute_logits(loaded.params, dense), atol=2e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_matches_transformers_generate(checkpoints, prompts, reference, family):
     """Paged cache, chunked prefill, a mixed batch: the tokens and their logprobs of transformers."""
@@ -196,7 +231,6 @@ def test_unknown_architecture_names_the_supported_ones():
 @pytest.mark.parametrize("family", ("llama",) + FAMILIES)
 def test_partition_rules_cover_every_leaf_and_refuse_unknown_ones(family):
     """Sharding asks the family for every leaf; a leaf it does not name is an error, not replicated."""
-    import jax
     from jaxrunner.parallel import mesh as meshes, sharding
 
     hf = _hf_dict(family) if family != "llama" else transformers.LlamaConfig(
