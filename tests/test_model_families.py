@@ -242,6 +242,10 @@ def test_partition_rules_cover_every_leaf_and_refuse_unknown_ones(family):
     tree = jax.tree.map(np.zeros, shapes, is_leaf=lambda node: isinstance(node, tuple))
     specs = jax.tree_util.tree_map_with_path(lambda path, _: sharding.leaf_spec(path, rules), tree)
     assert specs["layers"][0]["wqkv"] == sharding.COLUMN and specs["layers"][0]["w_down"] == sharding.ROW
+    int8 = {"layers": [{"wqkv": {"q": 0, "scale": 0}, "w_down": {"q": 0, "scale": 0}}]}
+    int8_specs = jax.tree_util.tree_map_with_path(lambda path, _: sharding.leaf_spec(path, rules), int8)["layers"][0]
+    assert int8_specs["wqkv"] == {"q": sharding.COLUMN, "scale": sharding.SPLIT}
+    assert int8_specs["w_down"] == {"q": sharding.ROW, "scale": sharding.REPLICATED}
     tree["layers"][0]["mystery"] = np.zeros(3)
     with pytest.raises(sharding.PartitionRuleError, match="no partition rule for 'mystery'"):
         jax.tree_util.tree_map_with_path(lambda path, _: sharding.leaf_spec(path, rules), tree)
