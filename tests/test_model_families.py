@@ -182,6 +182,7 @@ def test_engine_greedy_matches_transformers_generate(checkpoints, prompts, refer
     with count_compilations() as compiles:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert compiles == []
+    assert llm.startup_report["model_family"] == family.split("-")[0]
     ref_tokens, ref_logprobs = reference[family]
     assert token_ids(outputs) == ref_tokens
     for output, expected in zip(outputs, ref_logprobs):
