@@ -455,7 +455,7 @@ class DequantizedTensors(Mapping):
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read a llama / qwen2 GGUF file's config, tensor table and metadata; the weights stay in the
+    """Read a llama / qwen2 / qwen3 GGUF file's config, tensor table and metadata; the weights stay in the
     file until read (``state_dict`` is a :class:`DequantizedTensors`).
 
     Every check that needs no tensor data runs here (see :func:`load_gguf` for the errors); a
@@ -490,7 +490,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 
 
 def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoint:
-    """Load a llama / qwen2 GGUF file as an HF-named float32 state dict plus an HF config dict.
+    """Load a llama / qwen2 / qwen3 GGUF file as an HF-named float32 state dict plus an HF config dict.
 
     Every tensor is dequantized to float32 with ``gguf.quants.dequantize``; llama-family Q/K rows
     are put back into HF's rotate-half layout (see module docstring). Raises ``FileNotFoundError``
