@@ -117,8 +117,8 @@ def rope_theta(cfg: dict, default: float = 10000.0) -> float:
 def rope_scaling(cfg: dict, source: str, supported: tuple[str, ...] = ("llama3", "linear")):
     """rope_scaling as a sorted tuple of pairs (None for plain RoPE); other kinds are refused."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling or "full_attention" in scaling:
-        scaling = (scaling or {}).get("full_attention") if scaling else None
+    if scaling and "full_attention" in scaling:  # per layer type (Gemma 3): the global layers' own
+        scaling = scaling["full_attention"]
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxrunner.models import blocks, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields, rope_scaling
-from jaxrunner.models.params import build_decoder_params, decoder_shapes, take
+from jaxrunner.models.params import build_decoder_params, take
 from jaxrunner.parallel import sharding
 
 
