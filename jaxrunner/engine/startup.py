@@ -15,6 +15,7 @@ import jax
 
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
+from jaxrunner.models import registry
 from jaxrunner.models.loader import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
@@ -198,6 +199,14 @@ def _native_kernel_status(platform: str) -> str:
     return "ready" if reason is None else f"unavailable, XLA fallback in use: {reason}"
 
 
+def _family_name(model: LoadedModel) -> str:
+    """The registered family serving ``model`` (``models.registry``), or the class of a user's
+    architecture (a Flax NNX module)."""
+    if model.architecture is not None:
+        return type(model.architecture).__name__
+    return registry.family_for_config(model.config).name
+
+
 def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, activation_bytes, *,
             kv_alloc_s, warmup_s) -> dict:
     spec = runner.cache_spec
@@ -205,6 +214,7 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
     temps = [b.get("temp_bytes", 0) for b in per_bucket.values()]
     return {
         "model": model.source.path,
+        "model_family": _family_name(model),
         "load_s": model.load_seconds,
         "weights_bytes": model.nbytes,
         "num_params": model.num_params,
