@@ -1,4 +1,6 @@
-"""Attention callables the model is handed (see ``models.llama.forward``).
+"""Attention callables the model is handed (see ``models.llama.forward``): ``(q, k, v, layer_cache,
+meta, *, sm_scale, sliding_window=None, soft_cap=None) -> (out, layer_cache)``; a family passes its
+per-layer window and attention-logit cap (``cap * tanh(s / cap)``) through them to the kernels.
 
 ``DenseAttention`` is the cache-free reference (tests, parity); ``PagedAttention`` writes the new
 keys/values into the paged KV cache and attends through ``jaxrunner.kernels``.
@@ -17,13 +19,15 @@ from jaxrunner.parallel.mesh import MODEL_AXIS
 from jaxrunner.parallel.sharding import KV_POOL_SPEC
 
 
-def dense_causal_attention(q, k, v, segment_ids, *, sm_scale, sliding_window=None):
+def dense_causal_attention(q, k, v, segment_ids, *, sm_scale, sliding_window=None, soft_cap=None):
     """Causal attention over packed tokens; tokens attend only within their own segment."""
     tokens, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     k = jnp.repeat(k, group, axis=1).astype(jnp.float32)
     v = jnp.repeat(v, group, axis=1).astype(jnp.float32)
     scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     idx = jnp.arange(tokens)
     mask = (idx[None, :] <= idx[:, None]) & (segment_ids[None, :] == segment_ids[:, None])
     if sliding_window is not None:
@@ -36,8 +40,9 @@ def dense_causal_attention(q, k, v, segment_ids, *, sm_scale, sliding_window=Non
 class DenseAttention:
     """No cache: ``meta`` is the [T] array of segment ids (one id per sequence, tokens in order)."""
 
-    def __call__(self, q, k, v, layer_cache, segment_ids, *, sm_scale, sliding_window=None):
-        out = dense_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, sliding_window=sliding_window)
+    def __call__(self, q, k, v, layer_cache, segment_ids, *, sm_scale, sliding_window=None, soft_cap=None):
+        out = dense_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, sliding_window=sliding_window,
+                                     soft_cap=soft_cap)
         return out, layer_cache
 
 
@@ -55,9 +60,9 @@ class PagedAttention:
     mesh: object = None
     max_prefill_seqs: int | None = None  # the scheduler's per-step bound (see kernels.dispatch)
 
-    def __call__(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window=None):
+    def __call__(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window=None, soft_cap=None):
         meta = {name: meta[name] for name in META_KEYS}
-        local = functools.partial(self._local, sm_scale=sm_scale, sliding_window=sliding_window)
+        local = functools.partial(self._local, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.mesh is None:
             return local(q, k, v, layer_cache, meta)
         heads, pool = P(None, MODEL_AXIS, None), KV_POOL_SPEC
@@ -65,13 +70,13 @@ class PagedAttention:
                                 out_specs=(heads, (pool, pool)), check_vma=False)
         return sharded(q, k, v, layer_cache, meta)
 
-    def _local(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window):
+    def _local(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window, soft_cap):
         q = q.astype(layer_cache[0].dtype)  # the model hands float32 q; kernels take the cache's dtype
         # one fused call, so the pools handed back are the ones the kernel's loops carried (no copy)
         out, k_pages, v_pages = kernels.write_kv_and_attend(
             q, k, v, layer_cache[0], layer_cache[1], meta["slot_mapping"], meta["kv_lens"], meta["page_indices"],
-            meta["cu_q_lens"], meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, impl=self.impl,
-            max_prefill_seqs=self.max_prefill_seqs)
+            meta["cu_q_lens"], meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            impl=self.impl, max_prefill_seqs=self.max_prefill_seqs)
         return out, (k_pages, v_pages)
 
 

@@ -30,7 +30,7 @@ class LoadedModel:
     load_seconds: float
     mesh: object = None          # the jax.sharding.Mesh the params live on (None: default device)
     kv_head_replication: int = 1  # >1: each KV head was copied onto this many tensor-parallel shards
-    architecture: object = None   # forward/compute_logits over params; None: the Llama family of ``config``
+    architecture: object = None   # forward/compute_logits over params; None: ``config``'s registered family
 
     @property
     def num_params(self) -> int:
@@ -98,8 +98,7 @@ def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: st
     served = sharding.served_config(cfg, tp)
 
     def place(piece: dict) -> dict:
-        if "wqkv" in piece:  # a layer
-            piece = sharding.replicate_kv_heads_in_layer(piece, cfg, tp)
+        piece = sharding.replicate_kv_heads_in_layer(piece, cfg, tp)  # touches only a layer's grouped leaves
         return cast_params(piece, dtype, None if mesh is None else sharding.param_shardings(piece, mesh, served))
 
     if weights.state is not None:

@@ -1,4 +1,6 @@
-"""HF-named state dict (torch layout) -> jaxrunner's params pytree.
+"""HF-named state dict (torch layout) -> jaxrunner's params pytree: what every family shares.
+
+Each family (``models.registry``) maps its own tensor names; the conventions below are common.
 
 Weights are stored ``[in, out]`` so the forward is ``x @ w``. Q/K/V and gate/up are fused into one
 matrix each at load time: fewer, larger matmuls cost less per-op overhead on XLA:CPU and feed the
@@ -30,37 +32,13 @@ class CheckpointError(ValueError):
     """A checkpoint is missing tensors or holds tensors of the wrong shape."""
 
 
-def _take(state: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+def take(state: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
     if name not in state:
         raise CheckpointError(f"{source}: tensor {name!r} is missing")
     array = np.asarray(state[name])
     if tuple(array.shape) != shape:
         raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
     return array.astype(np.float32, copy=False)
-
-
-def _layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict[str, np.ndarray]:
-    d, inter = cfg.hidden_size, cfg.intermediate_size
-    p = f"model.layers.{i}."
-    q = _take(state, p + "self_attn.q_proj.weight", (cfg.q_size, d), source)
-    k = _take(state, p + "self_attn.k_proj.weight", (cfg.kv_size, d), source)
-    v = _take(state, p + "self_attn.v_proj.weight", (cfg.kv_size, d), source)
-    gate = _take(state, p + "mlp.gate_proj.weight", (inter, d), source)
-    up = _take(state, p + "mlp.up_proj.weight", (inter, d), source)
-    layer = {
-        "attn_norm": _take(state, p + "input_layernorm.weight", (d,), source),
-        "wqkv": group_qkv(q, k, v, cfg).T,
-        "wo": _take(state, p + "self_attn.o_proj.weight", (d, cfg.q_size), source).T,
-        "mlp_norm": _take(state, p + "post_attention_layernorm.weight", (d,), source),
-        "w_gate_up": np.stack([gate, up], axis=1).reshape(2 * inter, d).T,
-        "w_down": _take(state, p + "mlp.down_proj.weight", (d, inter), source).T,
-    }
-    if cfg.attention_bias:
-        layer["bqkv"] = group_qkv(
-            _take(state, p + "self_attn.q_proj.bias", (cfg.q_size,), source),
-            _take(state, p + "self_attn.k_proj.bias", (cfg.kv_size,), source),
-            _take(state, p + "self_attn.v_proj.bias", (cfg.kv_size,), source), cfg)
-    return layer
 
 
 def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -88,39 +66,50 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dt
 
 def build_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, source: str = "checkpoint",
                  progress: bool = False) -> dict:
-    """The params pytree, each piece (the embedding, a layer, ...) handed to ``place(piece)`` as
-    soon as it is built on the host, before the next is read.
+    """The params pytree of ``cfg``'s family, each piece (the embedding, a layer, ...) handed to
+    ``place(piece)`` as soon as it is built on the host, before the next is read.
 
     With ``place`` putting pieces on devices, host memory holds one layer's float32 copy, not the
     model's; with a lazy ``state`` (a GGUF's ``DequantizedTensors``, safetensors'
     ``SafetensorsTensors``) nothing else is resident. Top-level leaves arrive inside their one-key
     dict (``{"embed": array}``), so that ``place`` sees their names (sharding goes by name).
     """
+    from jaxrunner.models.registry import family_for_config
+
+    return family_for_config(cfg).build_params(state, cfg, place, source, progress)
+
+
+def build_decoder_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, source: str, progress: bool,
+                         layer_params) -> dict:
+    """The usual decoder tree: ``embed``, ``layers`` (``layer_params(state, cfg, i, source)`` each),
+    ``final_norm`` and, unless tied, ``lm_head`` ([d, vocab]), from the usual HF names."""
     from tqdm.auto import tqdm
 
     d, vocab = cfg.hidden_size, cfg.vocab_size
-    params = place({"embed": _take(state, "model.embed_tokens.weight", (vocab, d), source)})
+    params = place({"embed": take(state, "model.embed_tokens.weight", (vocab, d), source)})
     layers = tqdm(range(cfg.num_layers), desc=f"Loading {os.path.basename(source)}", unit="layer",
                   disable=not progress, leave=False)
-    params["layers"] = [place(_layer_params(state, cfg, i, source)) for i in layers]
-    params.update(place({"final_norm": _take(state, "model.norm.weight", (d,), source)}))
+    params["layers"] = [place(layer_params(state, cfg, i, source)) for i in layers]
+    params.update(place({"final_norm": take(state, "model.norm.weight", (d,), source)}))
     if not cfg.tie_word_embeddings:
-        params.update(place({"lm_head": _take(state, "lm_head.weight", (vocab, d), source).T}))
+        params.update(place({"lm_head": take(state, "lm_head.weight", (vocab, d), source).T}))
     return params
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The shape of every leaf of the params pytree that ``build_params`` makes for ``cfg``."""
-    d, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    qkv = cfg.q_size + 2 * cfg.kv_size
-    layer = {"attn_norm": (d,), "wqkv": (d, qkv), "wo": (cfg.q_size, d), "mlp_norm": (d,),
-             "w_gate_up": (d, 2 * inter), "w_down": (inter, d)}
-    if cfg.attention_bias:
-        layer["bqkv"] = (qkv,)
+def decoder_shapes(cfg: ModelConfig, layer: dict) -> dict:
+    """The shapes of :func:`build_decoder_params`'s tree, given one layer's leaf shapes."""
+    d, vocab = cfg.hidden_size, cfg.vocab_size
     shapes = {"embed": (vocab, d), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, vocab)
     return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shape of every leaf of the params pytree that ``build_params`` makes for ``cfg``."""
+    from jaxrunner.models.registry import family_for_config
+
+    return family_for_config(cfg).param_shapes(cfg)
 
 
 def cast_params(params, dtype, shardings=None) -> dict:

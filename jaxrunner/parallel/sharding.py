@@ -1,15 +1,19 @@
 """How the params pytree and the KV page pool are laid out on a ``("data", "model")`` mesh.
 
 Megatron-style tensor parallelism expressed as shardings, with XLA's SPMD partitioner adding the
-collectives:
+collectives. Which leaf is split how is each family's own business: its ``partition_rules``
+(``models.registry``) map every leaf name to a PartitionSpec, built from the specs here:
 
-- column-parallel (output dim split over ``"model"``): ``wqkv`` (+ ``bqkv``), ``w_gate_up``. The
-  fused layouts (``jaxrunner.models.params``) make each shard's slice whole KV-head groups and whole
-  gate/up pairs, so q/k/v, attention and the MLP activation stay local to a shard.
-- row-parallel (input dim split): ``wo``, ``w_down``; their outputs are partial sums that XLA
-  all-reduces.
-- embeddings and the LM head along the vocabulary (when it divides evenly; replicated otherwise).
-- the KV page pool along KV heads; every other leaf is replicated.
+- :data:`COLUMN` (output dim split over ``"model"``): fused q/k/v, gate/up. The fused layouts
+  (``jaxrunner.models.params``) make each shard's slice whole KV-head groups and whole gate/up
+  pairs, so q/k/v, attention and the MLP activation stay local to a shard.
+- :data:`ROW` (input dim split): output and down projections; XLA all-reduces their partial sums.
+- :func:`vocab_rules`: embeddings and the LM head along the vocabulary (when it divides evenly).
+- the KV page pool along KV heads.
+
+A leaf name the rules do not list is an error (:class:`PartitionRuleError`), never a silent
+replication. On a mesh whose ``"model"`` axis has one device every leaf is whole on every device,
+so no rules are consulted (that is how a Flax NNX module, whose leaves have no rules, is served).
 
 When the model has fewer KV heads than shards, :func:`replicate_kv_heads` copies each KV head onto
 ``tp / num_kv_heads`` shards first (the pool then holds ``tp`` heads, and the report says so).
@@ -25,36 +29,57 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.parallel.mesh import MODEL_AXIS, tensor_parallel_size
 
-COLUMN_PARALLEL = ("wqkv", "w_gate_up")
-ROW_PARALLEL = ("wo", "w_down")
-VOCAB_PARALLEL = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS)}
+COLUMN = P(None, MODEL_AXIS)      # [in, out] split by output columns
+ROW = P(MODEL_AXIS, None)         # [in, out] split by input rows
+SPLIT = P(MODEL_AXIS)             # a vector split along with a COLUMN weight's outputs (biases)
+REPLICATED = P()
 KV_POOL_SPEC = P(None, None, MODEL_AXIS, None)  # [pages, page_size, kv_heads, head_dim]
+
+
+class PartitionRuleError(ValueError):
+    """A params leaf that its family's partition rules do not name."""
+
+
+def vocab_rules(cfg: ModelConfig, tp: int) -> dict[str, P]:
+    """``embed`` [vocab, d] and ``lm_head`` [d, vocab] split along the vocabulary when it divides."""
+    if shards_vocab(cfg, tp):
+        return {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS)}
+    return {"embed": REPLICATED, "lm_head": REPLICATED}
 
 
 def _leaf_names(path) -> list[str]:
     return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
 
 
-def leaf_spec(path, shard_vocab: bool) -> P:
-    """The PartitionSpec of one params leaf, from its key path (int8 weights are {"q", "scale"})."""
+def leaf_spec(path, rules) -> P:
+    """The PartitionSpec of one params leaf, from its key path and the family's ``rules``.
+
+    An int8 weight is ``{"q", "scale"}``: ``q`` is laid out as the float weight, ``scale`` (one per
+    output column, the weight's input dim reduced) as the weight's spec without its input dim.
+    """
     names = _leaf_names(path)
     name = names[-1] if names else ""
     part = None
     if name in ("q", "scale") and len(names) >= 2:
         name, part = names[-2], name
-    if name in COLUMN_PARALLEL:
-        return P(MODEL_AXIS) if part == "scale" else P(None, MODEL_AXIS)
-    if name == "bqkv":
-        return P(MODEL_AXIS)
-    if name in ROW_PARALLEL:
-        return P() if part == "scale" else P(MODEL_AXIS, None)
-    if name in VOCAB_PARALLEL and shard_vocab:
-        return VOCAB_PARALLEL[name]
-    return P()
+    if name not in rules:
+        raise PartitionRuleError(f"params leaf {'/'.join(names) or '<root>'}: no partition rule for {name!r} "
+                                 f"(rules name: {', '.join(sorted(rules))})")
+    spec = rules[name]
+    if part == "scale":
+        return P(*spec[:-2], *spec[-1:]) if len(spec) >= 2 else REPLICATED
+    return spec
 
 
 def shards_vocab(cfg: ModelConfig, tp: int) -> bool:
     return cfg.vocab_size % tp == 0
+
+
+def partition_rules(cfg: ModelConfig, tp: int) -> dict[str, P]:
+    """The rules of ``cfg``'s family (``models.registry``) for ``tp`` shards."""
+    from jaxrunner.models.registry import family_for_config
+
+    return family_for_config(cfg).partition_rules(cfg, tp)
 
 
 def param_shardings(params, mesh: Mesh, cfg: ModelConfig):
@@ -65,8 +90,11 @@ def param_shardings(params, mesh: Mesh, cfg: ModelConfig):
 
 def sharding_for_path(mesh: Mesh, cfg: ModelConfig):
     """``path -> NamedSharding``, for restoring a checkpoint whose tree is known only to orbax."""
-    vocab = shards_vocab(cfg, tensor_parallel_size(mesh))
-    return lambda path: NamedSharding(mesh, leaf_spec(path, vocab))
+    tp = tensor_parallel_size(mesh)
+    if tp == 1:
+        return lambda path: NamedSharding(mesh, REPLICATED)
+    rules = partition_rules(cfg, tp)
+    return lambda path: NamedSharding(mesh, leaf_spec(path, rules))
 
 
 def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
@@ -90,7 +118,8 @@ def served_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def replicate_kv_heads_in_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
-    """One layer's host params with every one of ``tp`` shards given its own KV head.
+    """One layer's host params with every one of ``tp`` shards given its own KV head: the family's
+    ``kv_grouped_leaves`` (laid out by KV-head group, ``models.params.group_qkv``) are regrouped.
 
     Group ``g`` (its ``G`` query heads, ``k_g``, ``v_g``) becomes ``r = tp / Hkv`` groups, each with
     ``G / r`` of the query heads and a copy of ``k_g``, ``v_g``; query head order is unchanged.
@@ -108,10 +137,10 @@ def replicate_kv_heads_in_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
         kv = np.broadcast_to(w[..., None, group:, :], (*lead, kv_heads, r, 2, dim))
         return np.concatenate([q, kv], axis=-2).reshape(*lead, -1)
 
-    layer = dict(layer, wqkv=regroup(layer["wqkv"]))
-    if "bqkv" in layer:
-        layer["bqkv"] = regroup(layer["bqkv"])
-    return layer
+    from jaxrunner.models.registry import family_for_config
+
+    grouped = family_for_config(cfg).kv_grouped_leaves
+    return {name: regroup(value) if name in grouped else value for name, value in layer.items()}
 
 
 def replicate_kv_heads(host_params: dict, cfg: ModelConfig, tp: int) -> tuple[dict, ModelConfig]:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner import kernels
-from jaxrunner.models import llama
+from jaxrunner.models import registry
 from jaxrunner.models.attention import PagedAttention
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.parallel import mesh as meshes, sharding
@@ -30,8 +30,8 @@ from jaxrunner.runner import sampler
 def model_step(params, kv_cache, batch, feed, *, architecture, attention):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
-    ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (the
-    built-in Llama family, or a user's Flax NNX module). Token slots with ``feed_rows >= 0`` take
+    ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (a family
+    of ``models.registry``, or a user's Flax NNX module). Token slots with ``feed_rows >= 0`` take
     their id from ``feed`` (the previous step's sampled tokens); the returned feed holds this
     step's, padded to the same fixed length.
     """
@@ -85,7 +85,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
                  mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None):
         """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed);
-        ``architecture``: the model functions (default: the Llama family for ``cfg``)."""
+        ``architecture``: the model functions (default: ``cfg``'s registered family)."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
@@ -97,7 +97,7 @@ class ModelRunner:
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool, pool)] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
-        architecture = architecture if architecture is not None else llama.LlamaArchitecture(cfg)
+        architecture = architecture if architecture is not None else registry.architecture_for(cfg)
         step = functools.partial(model_step, architecture=architecture, attention=attention)
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
             self._jitted_step = jax.jit(step, donate_argnums=(1,))  # compile time (~10% measured)
