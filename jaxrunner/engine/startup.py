@@ -15,6 +15,7 @@ import jax
 
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
+from jaxrunner.models import registry
 from jaxrunner.models.loader import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
@@ -127,6 +128,10 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
+    architecture = model.architecture if model.architecture is not None else registry.architecture_for(cfg)
+    if hasattr(architecture, "expert_load"):  # mixture of experts: random against zero dummies
+        report["expert_load"] = _expert_load(config, runner, architecture, buckets[-1], key, len(buckets) - 1,
+                                             max_model_len, per_bucket)
     if model.kv_head_replication > 1:
         logger.warning("tensor_parallel_size=%d exceeds the model's %d KV heads: each KV head is replicated onto %d "
                        "shards (the KV pool holds %d heads)", report["tensor_parallel_size"],
@@ -135,6 +140,18 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                 len(buckets), report["compile_s_total"], num_pages, report["kv_tokens"],
                 spec.nbytes / 2**20, runner.attention_impl)
     return runner, plan, max_model_len, report
+
+
+def _expert_load(config, runner, architecture, bucket, key, index, max_model_len, per_bucket) -> dict:
+    """The expert-load report (``warmup.expert_load_report``) on the dummy batch warm-up ran."""
+    dummy = warmup.random_dummy_batch(jax.random.fold_in(key, index), bucket, config.page_size,
+                                      runner.cache_spec.num_pages, architecture.cfg.vocab_size, max_model_len,
+                                      config.max_num_prefill_seqs)
+    load = warmup.expert_load_report(runner, architecture, bucket, dummy, config.page_size)
+    load["peak_activation_bytes"] = per_bucket[str(bucket)].get("temp_bytes")  # one executable for both inputs
+    logger.info("expert load on bucket %s (max/mean tokens per expert): random %s, zeros %s (every row)",
+                bucket, load["random"]["max_over_mean"], load["zeros"]["rows_max_over_mean"])
+    return load
 
 
 def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, activation_bytes, *,

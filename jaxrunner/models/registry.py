@@ -20,7 +20,7 @@ from jaxrunner.models.config import ModelConfig, UnsupportedModelError
 
 # The modules that define families, imported on the first lookup. Adding an architecture is one
 # module here plus this line.
-FAMILY_MODULES = ("llama",)
+FAMILY_MODULES = ("llama", "mixtral", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
