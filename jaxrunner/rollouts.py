@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.models import llama
+from jaxrunner.models import registry
 from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.config import ModelConfig
 
@@ -70,9 +70,9 @@ def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array) -> jax.Arr
     flat = tokens.reshape(-1)
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
     segments = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)
-    hidden, _ = llama.forward(params, config, flat, positions, [None] * config.num_layers, segments,
-                              DenseAttention())
-    logits = llama.compute_logits(params, config, hidden).reshape(batch, length, -1)
+    architecture = registry.architecture_for(config)
+    hidden, _ = architecture.forward(params, flat, positions, [None] * config.num_layers, segments, DenseAttention())
+    logits = architecture.compute_logits(params, hidden).reshape(batch, length, -1)
     logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     taken = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.pad(taken, ((0, 0), (1, 0)))

@@ -18,6 +18,12 @@ A page is in exactly one of three states:
                freed first, and only when no plain free page is left;
 * free      -- refcount 0, holds nothing of value.
 
+Sliding windows do not free pages: a page that has fallen entirely outside a windowed layer's
+window is kept until its request finishes. A page holds the K/V of *every* layer for its tokens,
+and models that mix windowed and global layers (Gemma 2 and 3) read it from their global layers;
+freeing would be correct only if every layer of the model slid, and would still break the chain of
+registered pages that prefix caching walks from a request's first page.
+
 ``num_free_pages`` counts cached pages too: both can be handed out. ``SCRATCH_PAGE`` is never in
 any of the three: padding tokens of a batch write there, so no request may ever own it.
 """

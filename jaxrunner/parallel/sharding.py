@@ -51,24 +51,35 @@ def _leaf_names(path) -> list[str]:
     return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
 
 
-def leaf_spec(path, rules) -> P:
-    """The PartitionSpec of one params leaf, from its key path and the family's ``rules``.
+def _without_input_dim(spec: P) -> P:
+    kept = (*spec[:-2], *spec[-1:]) if len(spec) >= 2 else ()
+    return P(*kept) if any(axis is not None for axis in kept) else REPLICATED
 
-    An int8 weight is ``{"q", "scale"}``: ``q`` is laid out as the float weight, ``scale`` (one per
-    output column, the weight's input dim reduced) as the weight's spec without its input dim.
-    """
+
+# A quantized weight is a dict of parts; each part's spec derived from the float weight's [in, out]
+# spec. A quantization format whose parts are not listed here cannot be sharded (an error).
+QUANTIZED_PART_SPECS = {
+    "q": lambda spec: spec,               # int8 [in, out], laid out as the float weight
+    "scale": _without_input_dim,          # one per output column: the input dim reduced
+}
+
+
+def leaf_spec(path, rules) -> P:
+    """The PartitionSpec of one params leaf, from its key path and the family's ``rules`` (a
+    quantized weight's parts by :data:`QUANTIZED_PART_SPECS`)."""
     names = _leaf_names(path)
-    name = names[-1] if names else ""
-    part = None
-    if name in ("q", "scale") and len(names) >= 2:
-        name, part = names[-2], name
+    name, part = (names[-1] if names else ""), None
+    if len(names) >= 2 and names[-2] in rules and names[-1] not in rules:
+        name, part = names[-2], names[-1]
     if name not in rules:
         raise PartitionRuleError(f"params leaf {'/'.join(names) or '<root>'}: no partition rule for {name!r} "
                                  f"(rules name: {', '.join(sorted(rules))})")
-    spec = rules[name]
-    if part == "scale":
-        return P(*spec[:-2], *spec[-1:]) if len(spec) >= 2 else REPLICATED
-    return spec
+    if part is None:
+        return rules[name]
+    if part not in QUANTIZED_PART_SPECS:
+        raise PartitionRuleError(f"params leaf {'/'.join(names)}: no partition rule for the quantized part "
+                                 f"{part!r} (known parts: {', '.join(QUANTIZED_PART_SPECS)})")
+    return QUANTIZED_PART_SPECS[part](rules[name])
 
 
 def shards_vocab(cfg: ModelConfig, tp: int) -> bool:

@@ -1,0 +1,121 @@
+"""Phi-3 (and Phi-4-mini, which shares its architecture): Llama's layer with q/k/v fused into one
+``qkv_proj`` ([q; k; v] rows) and gate/up into one ``gate_up_proj`` ([gate; up] rows) in the
+checkpoint, and RoPE over the first ``partial_rotary_factor * head_dim`` dims of each head.
+
+The fused checkpoint tensors are split and re-fused into jaxrunner's own layouts (``wqkv`` grouped
+by KV head, ``w_gate_up`` interleaved: ``models.params``), so tensor parallelism and int8 work as
+for Llama.
+
+Long-RoPE (``rope_scaling`` ``longrope`` / ``su``) is refused: transformers switches every
+position's frequencies from the short to the long factors once the *sequence* passes
+``original_max_position_embeddings``, which a paged engine that prefills in chunks and keeps
+earlier keys in the cache cannot reproduce token for token.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.models import blocks, llama, registry
+from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields
+from jaxrunner.models.params import build_decoder_params, group_qkv, take
+
+
+@dataclasses.dataclass(frozen=True)
+class Phi3Config(ModelConfig):
+    rotary_dim: int = 0  # dims of each head that RoPE rotates (the rest pass through)
+
+
+def _rope_scaling_kind(cfg: dict) -> str | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    return scaling.get("rope_type", scaling.get("type"))
+
+
+def _partial_rotary_factor(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+
+
+def config_from_hf(cfg: dict, source: str = "config.json") -> Phi3Config:
+    check_activation(cfg, source, ("silu",))
+    kind = _rope_scaling_kind(cfg)
+    if kind not in (None, "default"):
+        raise UnsupportedModelError(
+            f"{source}: rope_scaling type {kind!r} is not supported for phi3 (supported: default); long-RoPE "
+            "changes every position's frequencies with the sequence length, which chunked prefill over a paged "
+            "cache cannot reproduce; use a short-context Phi-3 checkpoint")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError(f"{source}: attention_bias=True is not supported for phi3")
+    fields = common_fields(cfg, source, default_eps=1e-5)
+    rotary = int(fields["head_dim"] * _partial_rotary_factor(cfg))
+    if rotary <= 0 or rotary % 2 or rotary > fields["head_dim"]:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor gives {rotary} rotary dims of "
+                                    f"head_dim {fields['head_dim']}; expected an even number in (0, head_dim]")
+    window = cfg.get("sliding_window")
+    return Phi3Config(**fields, sliding_window=int(window) if window else None, rotary_dim=rotary)
+
+
+def _layer(layer, x, rope, layer_cache, meta, cfg: Phi3Config, attention, rows):
+    h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    qkv = blocks.rotate_qk(blocks.project_qkv(layer, h, cfg), *rope)
+    out, layer_cache = blocks.attend(qkv, layer_cache, meta, cfg, attention, sm_scale=cfg.head_dim ** -0.5,
+                                     sliding_window=cfg.sliding_window)
+    x, out = blocks.take_rows(rows, x, out)
+    x = x + llama.linear(out.astype(x.dtype), layer["wo"])
+    h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu), layer_cache
+
+
+def forward(params, cfg: Phi3Config, token_ids, positions, kv_cache, meta, attention, rows=None):
+    x = jnp.take(params["embed"], token_ids, axis=0)
+    rope = blocks.rope_tables(cfg, positions, rotary_dim=cfg.rotary_dim)
+    new_cache, last = [], len(params["layers"]) - 1
+    for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
+        x, layer_cache = _layer(layer, x, rope, layer_cache, meta, cfg, attention, rows if i == last else None)
+        new_cache.append(layer_cache)
+    return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Phi3Architecture:
+    cfg: Phi3Config
+
+    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows)
+
+    def compute_logits(self, params, hidden):
+        return llama.compute_logits(params, self.cfg, hidden)
+
+
+def _layer_params(state, cfg: Phi3Config, i: int, source: str) -> dict:
+    d, inter, p = cfg.hidden_size, cfg.intermediate_size, f"model.layers.{i}."
+    qkv = take(state, p + "self_attn.qkv_proj.weight", (cfg.q_size + 2 * cfg.kv_size, d), source)
+    q, k, v = np.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size])
+    gate, up = np.split(take(state, p + "mlp.gate_up_proj.weight", (2 * inter, d), source), 2)
+    return {"attn_norm": take(state, p + "input_layernorm.weight", (d,), source),
+            "wqkv": group_qkv(q, k, v, cfg).T,
+            "wo": take(state, p + "self_attn.o_proj.weight", (d, cfg.q_size), source).T,
+            "mlp_norm": take(state, p + "post_attention_layernorm.weight", (d,), source),
+            "w_gate_up": np.stack([gate, up], axis=1).reshape(2 * inter, d).T,
+            "w_down": take(state, p + "mlp.down_proj.weight", (d, inter), source).T}
+
+
+def build_params(state, cfg: Phi3Config, place, source: str = "checkpoint", progress: bool = False) -> dict:
+    return build_decoder_params(state, cfg, place, source, progress, _layer_params)
+
+
+FAMILY = registry.register(registry.ModelFamily(
+    name="phi3",
+    architectures=("Phi3ForCausalLM",),
+    model_types=("phi3",),
+    config_from_hf=config_from_hf,
+    architecture=Phi3Architecture,
+    build_params=build_params,
+    param_shapes=llama.param_shapes,
+    partition_rules=llama.partition_rules,
+    quantized_leaves=llama.QUANTIZED_LEAVES,
+    kv_grouped_leaves=llama.KV_GROUPED_LEAVES,
+))
