@@ -1,8 +1,8 @@
 """A decoder whose every MLP is a sparse mixture of experts (``models.moe``): what Mixtral and
 Qwen3-MoE share — their config fields, forward, expert params, partition rules.
 
-Attention is the Llama family's (fused, KV-grouped q/k/v; rotate-half RoPE), with Qwen3's RMSNorm
-per head on q and k when the layer has ``q_norm``/``k_norm``. Experts are split over the mesh's
+Attention is the Llama family's (fused, KV-grouped q/k/v; rotate-half RoPE; ``models.blocks``), with
+Qwen3's RMSNorm per head on q and k where the config says ``qk_norm``. Experts are split over the mesh's
 ``"model"`` axis (expert parallelism) while attention keeps its heads split (tensor parallelism);
 the forward learns the mesh from the attention callable it is handed (``PagedAttention.mesh``).
 """
@@ -13,16 +13,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from jaxrunner.models import moe
+from jaxrunner.models import blocks, moe
 from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
-from jaxrunner.models.llama import apply_rope, compute_logits, rms_norm, rope_tables
+from jaxrunner.models.llama import compute_logits, rms_norm, rope_tables
 from jaxrunner.models.params import decoder_shapes, take
-from jaxrunner.models.quant import linear, linear_f32
+from jaxrunner.models.quant import linear
 from jaxrunner.parallel import sharding
 from jaxrunner.parallel.mesh import MODEL_AXIS
-from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,24 +47,14 @@ def check_experts(cfg: MoEConfig, source: str) -> None:
 
 # ----------------------------------------------------------------------------- forward
 def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: MoEConfig, attention, rows=None):
-    """Llama's attention block (``models.llama``), with per-head q/k RMSNorm before RoPE when the
-    layer has it; q, k and v stay float32 up to the attention callable."""
-    tokens = x.shape[0]
+    """Llama's attention, with Qwen3's per-head q/k RMSNorm before RoPE when the config has it."""
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = linear_f32(h, layer["wqkv"])
-    group = cfg.num_heads // cfg.num_kv_heads
-    qkv = qkv.reshape(tokens, cfg.num_kv_heads, group + 2, cfg.head_dim)  # grouped by KV head (params.py)
-    qk = qkv[:, :, :group + 1]
-    if "q_norm" in layer:  # the group's q heads share q_norm; its k head takes k_norm
-        norms = jnp.concatenate([jnp.broadcast_to(layer["q_norm"], (group, cfg.head_dim)), layer["k_norm"][None]])
-        qk = rms_norm(qk, norms.astype(jnp.float32), cfg.rms_norm_eps)
-    qk = apply_rope(qk, cos, sin)
-    q = qk[:, :, :group].reshape(tokens, cfg.num_heads, cfg.head_dim)
-    out, layer_cache = attention(q, qk[:, :, group], qkv[:, :, group + 1], layer_cache, meta,
-                                 sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
-    out = out.reshape(tokens, cfg.q_size)
-    if rows is not None:
-        x, out = jnp.take(x, rows, axis=0), jnp.take(out, rows, axis=0)
+    qkv = blocks.project_qkv(layer, h, cfg)
+    if cfg.qk_norm:
+        qkv = blocks.norm_qk(qkv, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
+    out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, cos, sin), layer_cache, meta, cfg, attention,
+                                     sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    x, out = blocks.take_rows(rows, x, out)
     return x + linear(out.astype(x.dtype), layer["wo"]), layer_cache
 
 

@@ -28,15 +28,16 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> moe_decoder.MoECon
     _check_all_sparse(cfg, source)
     if cfg.get("attention_bias"):
         raise UnsupportedModelError(f"{source}: attention_bias=True is not supported for qwen3_moe")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{source}: use_sliding_window=True is not supported for qwen3_moe "
+                                    "(Qwen3-MoE checkpoints ship it off)")
     try:
         experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
         fields = common_fields({**cfg, "intermediate_size": cfg["moe_intermediate_size"]}, source)
         top_k = int(cfg["num_experts_per_tok"])
     except KeyError as missing:
         raise UnsupportedModelError(f"{source}: missing required field {missing}") from None
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    config = moe_decoder.MoEConfig(**fields, sliding_window=int(window) if window else None,
-                                   rope_scaling=rope_scaling(cfg, source), num_experts=experts,
+    config = moe_decoder.MoEConfig(**fields, rope_scaling=rope_scaling(cfg, source), num_experts=experts,
                                    num_experts_per_tok=top_k, normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
                                    qk_norm=True)
     moe_decoder.check_experts(config, source)
