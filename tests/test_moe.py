@@ -143,20 +143,28 @@ def hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_moe_logits_match_transformers(moe_checkpoints, family):
+def test_moe_logits_match_transformers(moe_checkpoints, family, dtype, tolerance):
+    """The pure forward (dense attention) against transformers, relative to the logit range. In
+    bfloat16 both sides round differently (bar 3e-2), and a router near-tie then picks another
+    expert for a token now and then (transformers itself routes one of these 48 tokens differently
+    in bfloat16 than in float32), so one row in 24 may miss."""
     from jaxrunner.models.attention import DenseAttention
     from jaxrunner.models.loader import load_model
 
     ids = np.random.default_rng(3).integers(3, 512, 48)
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_checkpoints[family], dtype=getattr(torch, dtype))
     with torch.no_grad():
-        ref = hf_model(moe_checkpoints[family])(torch.tensor(ids)[None]).logits[0].numpy()
-    loaded = load_model(moe_checkpoints[family], "float32", progress=False)
+        ref = model(torch.tensor(ids)[None]).logits[0].float().numpy()
+    loaded = load_model(moe_checkpoints[family], dtype, progress=False)
     arch = loaded.architecture if loaded.architecture is not None else _architecture(loaded.config)
     hidden, _ = arch.forward(loaded.params, jnp.asarray(ids), jnp.arange(len(ids)), [None] * loaded.config.num_layers,
                              jnp.zeros(len(ids), jnp.int32), DenseAttention())
     ours = np.asarray(arch.compute_logits(loaded.params, hidden))
-    assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 1e-4
+    row_errors = np.max(np.abs(ours - ref), axis=1) / np.max(np.abs(ref))
+    allowed_misses = 0 if dtype == "float32" else len(ids) // 24
+    assert np.sum(row_errors > tolerance) <= allowed_misses, row_errors
 
 
 def _architecture(cfg):
@@ -173,32 +181,39 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def hf_greedy(moe_checkpoints):
-    """family -> transformers' 24 greedy tokens for each of :func:`prompts`."""
-    tokens = {}
+    """family -> transformers' 24 greedy tokens for each of :func:`prompts`, and their logprobs."""
+    tokens, logprobs = {}, {}
     for family, path in moe_checkpoints.items():
         model = hf_model(path)
-        tokens[family] = []
+        tokens[family], logprobs[family] = [], []
         for prompt in prompts():
             ids = torch.tensor(prompt["prompt_token_ids"])[None]
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-            tokens[family].append(out[0, ids.shape[1]:].tolist())
-    return tokens
+                full = torch.log_softmax(model(out).logits[0], -1)
+            new = out[0, ids.shape[1]:]
+            tokens[family].append(new.tolist())
+            logprobs[family].append(full[torch.arange(ids.shape[1] - 1, out.shape[1] - 1), new].numpy())
+    return {"tokens": tokens, "logprobs": logprobs}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_engine_greedy_matches_transformers_generate(moe_checkpoints, hf_greedy, family):
-    """24 greedy tokens through LLM: paged cache, chunked prefill (prompts past the 32-token step),
-    a batch of mixed lengths; nothing compiles while serving; the warm-up's expert-load report."""
+    """24 greedy tokens and their logprobs through LLM: paged cache, chunked prefill (prompts past
+    the 32-token step), a batch of mixed lengths; nothing compiles while serving; the warm-up's
+    expert-load report."""
     from engine_helpers import count_compilations, make_llm, token_ids
     from jaxrunner import SamplingParams
 
     llm = make_llm(moe_checkpoints[family], **PARITY_ENGINE)
     with count_compilations() as compiles:
-        ours = token_ids(llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                      use_tqdm=False))
+        outputs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
+                               use_tqdm=False)
     assert compiles == []
-    assert ours == hf_greedy[family]
+    assert token_ids(outputs) == hf_greedy["tokens"][family]
+    for output, expected in zip(outputs, hf_greedy["logprobs"][family]):
+        got = [step[token] for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
+        np.testing.assert_allclose(got, expected, atol=2e-3)
     load = llm.startup_report["expert_load"]
     assert load["random"]["tokens"] > 0 and load["random"]["expert_blocks"] > 0
     assert load["zeros"]["tokens"] == 0 and load["zeros"]["expert_blocks"] == 0
@@ -207,7 +222,8 @@ def test_moe_engine_greedy_matches_transformers_generate(moe_checkpoints, hf_gre
     assert load["random"]["max_over_mean"] < load["zeros"]["rows_max_over_mean"]
 
 
-@pytest.mark.parametrize("field,value", [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
+@pytest.mark.parametrize("field,value", [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
+                                         ("use_sliding_window", True)])
 def test_qwen3_moe_refuses_dense_layers(field, value):
     from jaxrunner.models.config import UnsupportedModelError
     from jaxrunner.models.qwen3_moe import config_from_hf
@@ -248,6 +264,6 @@ def test_moe_tensor_and_expert_parallel_match_transformers(moe_checkpoints, hf_g
     results = json.loads(done.stdout.strip().splitlines()[-1])
     for family in FAMILIES:
         served = results[family]
-        assert served["tokens"] == hf_greedy[family]
+        assert served["tokens"] == hf_greedy["tokens"][family]
         assert served["serving_compiles"] == 0
         assert served["weights_bytes_per_device"] < 0.6 * served["weights_bytes"]
