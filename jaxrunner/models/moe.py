@@ -9,12 +9,14 @@ sums them with the router's weights. Every shape is static (the loop's bound is 
 blocks ``T * k`` assignments can fill); only the trip count depends on the routing.
 
 Why blocks and not ``jax.lax.ragged_dot``: XLA:CPU lowers ``ragged_dot`` to a dense product of
-every expert with every row plus a mask, i.e. all experts on all tokens. Measured here (2 CPU
-cores, float32, 8 experts, top-2, hidden 512, expert width 1024; ``scripts/benchmark_moe.py``'s
-shape): 16 tokens 34.6 ms with ``ragged_dot`` against 1.2 ms with the block loop, 256 tokens 106
-against 16 ms; a variant that gathers every block's weights for one batched einsum took 62 and
-104 ms (the weight copies dominate). ``impl="ragged_dot"`` is kept for accelerators, where XLA has
-native grouped-matmul lowerings; it is not measured here.
+every expert with every row plus a mask, i.e. all experts on all tokens. Measured on this repo's
+2-core CPU (float32, 8 experts, top-2, hidden 512, expert width 1024: ``scripts/benchmark_moe.py``'s
+shape), ``moe_mlp`` with each impl, other jobs loading the machine (load average 9): 16 tokens
+10 ms with blocks against 72 with ``ragged_dot``, 256 tokens 36 against 448. A variant that
+gathers every block's weights for one batched einsum was as slow as ``ragged_dot`` (the weight
+copies dominate). The engine runs the block loop everywhere; ``impl="ragged_dot"``
+(same layout, checked against numpy too) is kept for accelerators, where XLA may lower grouped
+matmuls natively; no accelerator has measured either yet.
 
 Rows that are not tokens (``valid`` false: a bucket's padding) take no assignment: they neither
 count in an expert's load nor fill a block, and their output is zero.
