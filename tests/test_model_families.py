@@ -30,7 +30,7 @@ from jaxrunner.models.loader import load_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "phi3-longrope")
 WINDOW = 8  # sliding window of the windowed families: every prompt below is longer
 NEW_TOKENS = 24
 # one token bucket of 32: the 45-token prompt is prefilled in chunks, decode batches pad to it
@@ -60,6 +60,12 @@ def tiny_family_config(family: str):
         return transformers.Phi3Config(**common, sliding_window=12,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                         "partial_rotary_factor": 0.5})
+    if family == "phi3-longrope":  # served up to original_max_position_embeddings (128 >= max_model_len)
+        rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": 128, "short_factor": [1.0, 1.7, 3.1, 5.3],
+                "long_factor": [2.0, 4.0, 8.0, 16.0]}
+        return transformers.Phi3Config(**{**common, "max_position_embeddings": 512},
+                                       original_max_position_embeddings=128, rope_parameters=rope)
     raise ValueError(family)
 
 
@@ -176,6 +182,7 @@ def test_engine_greedy_matches_transformers_generate(checkpoints, prompts, refer
     with count_compilations() as compiles:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert compiles == []
+    assert llm.startup_report["model_family"] == family.split("-")[0]
     ref_tokens, ref_logprobs = reference[family]
     assert token_ids(outputs) == ref_tokens
     for output, expected in zip(outputs, ref_logprobs):
@@ -219,11 +226,16 @@ def test_gemma2_alternates_and_reads_its_caps():
     assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.query_pre_attn_scalar) == (1.0, 6.0, 24.0)
 
 
-def test_phi3_long_rope_is_refused_with_the_reason():
-    d = _hf_dict("phi3", rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4,
-                                          "long_factor": [2.0] * 4, "rope_theta": 1e4})
-    with pytest.raises(UnsupportedModelError, match="rope_scaling type 'longrope' is not supported for phi3"):
-        ModelConfig.from_hf_dict(d)
+def test_phi3_long_rope_serves_up_to_its_original_length(checkpoints):
+    """Long-RoPE's short factors hold up to original_max_position_embeddings; past it transformers
+    switches frequencies with the sequence length, so the engine refuses a longer max_model_len."""
+    cfg = ModelConfig.from_hf_dict(_hf_dict("phi3-longrope"))
+    assert cfg.max_position_embeddings == 128 and cfg.rope_short_factor == (1.0, 1.7, 3.1, 5.3)
+    assert cfg.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(128)) ** 0.5)
+    with pytest.raises(ValueError, match=r"max_model_len=256 exceeds the model's max_position_embeddings \(128\)"):
+        make_llm(checkpoints["phi3-longrope"], **{**FAMILY_ENGINE, "max_model_len": 256})
+    with pytest.raises(UnsupportedModelError, match="rope_scaling type 'yarn' is not supported for phi3"):
+        ModelConfig.from_hf_dict(_hf_dict("phi3", rope_parameters={"rope_type": "yarn", "factor": 2.0}))
 
 
 def test_unknown_architecture_names_the_supported_ones():

@@ -154,6 +154,14 @@ def _expert_load(config, runner, architecture, bucket, key, index, max_model_len
     return load
 
 
+def _family_name(model: LoadedModel) -> str:
+    """The registered family serving ``model`` (``models.registry``), or the class of a user's
+    architecture (a Flax NNX module)."""
+    if model.architecture is not None:
+        return type(model.architecture).__name__
+    return registry.family_for_config(model.config).name
+
+
 def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error, activation_bytes, *,
             kv_alloc_s, warmup_s) -> dict:
     spec = runner.cache_spec
@@ -161,6 +169,7 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
     temps = [b.get("temp_bytes", 0) for b in per_bucket.values()]
     return {
         "model": model.source.path,
+        "model_family": _family_name(model),
         "load_s": model.load_seconds,
         "weights_bytes": model.nbytes,
         "num_params": model.num_params,

@@ -6,14 +6,18 @@ The fused checkpoint tensors are split and re-fused into jaxrunner's own layouts
 by KV head, ``w_gate_up`` interleaved: ``models.params``), so tensor parallelism and int8 work as
 for Llama.
 
-Long-RoPE (``rope_scaling`` ``longrope`` / ``su``) is refused: transformers switches every
-position's frequencies from the short to the long factors once the *sequence* passes
-``original_max_position_embeddings``, which a paged engine that prefills in chunks and keeps
-earlier keys in the cache cannot reproduce token for token.
+Long-RoPE (``rope_scaling`` ``longrope`` / ``su``) is served up to
+``original_max_position_embeddings`` tokens (the served ``max_position_embeddings``, so a longer
+``max_model_len`` is refused at start-up): there transformers rotates with the ``short_factor``
+frequencies and scales cos/sin by the attention factor, and so does this forward. Beyond it
+transformers switches every position of a forward to the ``long_factor`` frequencies once the
+*sequence* passes that length, which a paged engine that prefills in chunks and keeps earlier keys
+in its cache cannot reproduce token for token.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,26 +31,37 @@ from jaxrunner.models.params import build_decoder_params, group_qkv, take
 @dataclasses.dataclass(frozen=True)
 class Phi3Config(ModelConfig):
     rotary_dim: int = 0  # dims of each head that RoPE rotates (the rest pass through)
+    rope_short_factor: tuple[float, ...] | None = None  # long-RoPE: each frequency divided by its factor
+    rope_attention_factor: float = 1.0                  # long-RoPE: cos and sin scaled by it
 
 
-def _rope_scaling_kind(cfg: dict) -> str | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    return scaling.get("rope_type", scaling.get("type"))
+def _rope_params(cfg: dict) -> dict:
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
 
 
 def _partial_rotary_factor(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+    return float(cfg.get("partial_rotary_factor") or _rope_params(cfg).get("partial_rotary_factor") or 1.0)
+
+
+def _long_rope_fields(cfg: dict, fields: dict, rotary: int, source: str) -> dict:
+    """Long-RoPE as transformers computes it below ``original_max_position_embeddings``, which
+    becomes the served limit."""
+    params = _rope_params(cfg)
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    short = params.get("short_factor")
+    if not original or short is None or len(short) != rotary // 2:
+        raise UnsupportedModelError(f"{source}: long-RoPE needs original_max_position_embeddings and "
+                                    f"{rotary // 2} short_factor values; got {original!r} and {short!r}")
+    factor = params.get("factor") or fields["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(max_position_embeddings=min(int(original), fields["max_position_embeddings"]),
+                rope_short_factor=tuple(float(f) for f in short), rope_attention_factor=float(attention))
 
 
 def config_from_hf(cfg: dict, source: str = "config.json") -> Phi3Config:
     check_activation(cfg, source, ("silu",))
-    kind = _rope_scaling_kind(cfg)
-    if kind not in (None, "default"):
-        raise UnsupportedModelError(
-            f"{source}: rope_scaling type {kind!r} is not supported for phi3 (supported: default); long-RoPE "
-            "changes every position's frequencies with the sequence length, which chunked prefill over a paged "
-            "cache cannot reproduce; use a short-context Phi-3 checkpoint")
     if cfg.get("attention_bias"):
         raise UnsupportedModelError(f"{source}: attention_bias=True is not supported for phi3")
     fields = common_fields(cfg, source, default_eps=1e-5)
@@ -54,8 +69,26 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> Phi3Config:
     if rotary <= 0 or rotary % 2 or rotary > fields["head_dim"]:
         raise UnsupportedModelError(f"{source}: partial_rotary_factor gives {rotary} rotary dims of "
                                     f"head_dim {fields['head_dim']}; expected an even number in (0, head_dim]")
+    kind = _rope_params(cfg).get("rope_type", _rope_params(cfg).get("type"))
+    if kind in ("longrope", "su"):
+        fields.update(_long_rope_fields(cfg, fields, rotary, source))
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"{source}: rope_scaling type {kind!r} is not supported for phi3 "
+                                    "(supported: default, longrope, su)")
     window = cfg.get("sliding_window")
     return Phi3Config(**fields, sliding_window=int(window) if window else None, rotary_dim=rotary)
+
+
+def rope_tables(cfg: Phi3Config, positions):
+    """cos and sin [T, rotary_dim]; with long-RoPE, the short factors and the attention factor."""
+    if cfg.rope_short_factor is None:
+        return blocks.rope_tables(cfg, positions, rotary_dim=cfg.rotary_dim)
+    exponents = np.arange(0, cfg.rotary_dim, 2).astype(np.float32) / np.float32(cfg.rotary_dim)
+    inv_freq = np.float32(1.0) / (np.asarray(cfg.rope_short_factor, np.float32)
+                                  * np.power(np.float32(cfg.rope_theta), exponents))
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq.astype(np.float32))[None, :]
+    cos, sin = jnp.cos(angles) * cfg.rope_attention_factor, jnp.sin(angles) * cfg.rope_attention_factor
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def _layer(layer, x, rope, layer_cache, meta, cfg: Phi3Config, attention, rows):
@@ -71,7 +104,7 @@ def _layer(layer, x, rope, layer_cache, meta, cfg: Phi3Config, attention, rows):
 
 def forward(params, cfg: Phi3Config, token_ids, positions, kv_cache, meta, attention, rows=None):
     x = jnp.take(params["embed"], token_ids, axis=0)
-    rope = blocks.rope_tables(cfg, positions, rotary_dim=cfg.rotary_dim)
+    rope = rope_tables(cfg, positions)
     new_cache, last = [], len(params["layers"]) - 1
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
         x, layer_cache = _layer(layer, x, rope, layer_cache, meta, cfg, attention, rows if i == last else None)
