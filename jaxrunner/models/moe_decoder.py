@@ -106,14 +106,14 @@ class MoEArchitecture:
         loads = []
         cache = [None] * self.cfg.num_layers
         meta = {"cu_q_lens": jnp.stack([jnp.int32(0), jnp.int32(num_tokens)]), "num_seqs": 1}
-        attention = _DenseWithMask(segment_ids)
+        attention = _SegmentAttention(segment_ids)
         forward(params, self.cfg, token_ids, positions, cache, meta, attention, None, loads)
         return jnp.stack(loads)
 
 
 @dataclasses.dataclass(frozen=True)
-class _DenseWithMask:
-    """DenseAttention over fixed segment ids, whatever ``meta`` says (the probe's meta only masks)."""
+class _SegmentAttention:
+    """DenseAttention within fixed segments, whatever ``meta`` says (the probe's meta only marks live rows)."""
 
     segment_ids: jax.Array
 
