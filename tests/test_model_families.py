@@ -206,6 +206,62 @@ def test_tensor_parallel_2_gives_the_single_device_tokens(checkpoints, prompts, 
         assert results[family]["sharded_devices"] == 2, family
 
 
+def _write_qwen3_gguf(model_dir: str, path) -> str:
+    """The tiny Qwen3 checkpoint as llama.cpp's converter names it (float32 tensors, no permutation:
+    llama.cpp runs Qwen models in rotate-half mode)."""
+    import gguf
+    from jaxrunner.models.loading.hf import load_hf_state_dict, read_hf_config
+
+    hf, state = read_hf_config(model_dir), load_hf_state_dict(model_dir)
+    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                   "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                   "post_attention_layernorm": "ffn_norm"}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_rope_freq_base(1e6)
+    for name, array in state.items():
+        if name not in top:
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+        writer.add_tensor(top.get(name) or f"blk.{i}.{layer_names[module]}.{kind}", np.asarray(array, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_qwen3_gguf_loads_to_transformers_logits(checkpoints, tmp_path):
+    """llama.cpp's Qwen3 tensor names (q/k norms included) map onto the family's params."""
+    from jaxrunner.models.loading.gguf import open_gguf
+    from jaxrunner.models.params import params_from_state_dict
+
+    gguf_file = _write_qwen3_gguf(checkpoints["qwen3"], tmp_path / "qwen3.gguf")
+    checkpoint = open_gguf(gguf_file)
+    cfg = ModelConfig.from_hf_dict(checkpoint.hf_config)
+    params = params_from_state_dict(checkpoint.state_dict, cfg)
+    ids = np.random.default_rng(3).integers(0, 512, 24)
+    arch = registry.architecture_for(cfg)
+    hidden, _ = arch.forward(params, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
+                             jnp.zeros(len(ids), jnp.int32), DenseAttention())
+    with torch.no_grad():
+        ref = hf_model(checkpoints["qwen3"])(torch.tensor(ids)[None]).logits[0].numpy()
+    ours = np.asarray(arch.compute_logits(params, hidden))
+    assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 1e-4
+
+
 # ----------------------------------------------------------------------------- configs and the seam
 def _hf_dict(family: str, **overrides) -> dict:
     return {**tiny_family_config(family).to_dict(), **overrides}

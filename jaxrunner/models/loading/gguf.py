@@ -52,11 +52,12 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 
 # Defaults llama.cpp / transformers assume when a key is absent.
-_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0}
-_DEFAULT_RMS_EPS = {"llama": 1e-5, "qwen2": 1e-6}
+_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+_DEFAULT_RMS_EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6}
 
 _LAYER_MAP = {
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -66,6 +67,8 @@ _LAYER_MAP = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -452,7 +455,7 @@ class DequantizedTensors(Mapping):
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read a llama / qwen2 GGUF file's config, tensor table and metadata; the weights stay in the
+    """Read a llama / qwen2 / qwen3 GGUF file's config, tensor table and metadata; the weights stay in the
     file until read (``state_dict`` is a :class:`DequantizedTensors`).
 
     Every check that needs no tensor data runs here (see :func:`load_gguf` for the errors); a
@@ -487,7 +490,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 
 
 def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoint:
-    """Load a llama / qwen2 GGUF file as an HF-named float32 state dict plus an HF config dict.
+    """Load a llama / qwen2 / qwen3 GGUF file as an HF-named float32 state dict plus an HF config dict.
 
     Every tensor is dequantized to float32 with ``gguf.quants.dequantize``; llama-family Q/K rows
     are put back into HF's rotate-half layout (see module docstring). Raises ``FileNotFoundError``
@@ -554,6 +557,8 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (d,),
             p + "post_attention_layernorm.weight": (d,),
         })
+        if cfg["model_type"] == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (dh,), p + "self_attn.k_norm.weight": (dh,)})
         if cfg["attention_bias"]:
             shapes.update({
                 p + "self_attn.q_proj.bias": (n_heads * dh,),
