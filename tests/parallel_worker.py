@@ -102,7 +102,16 @@ def in_memory(model_dir: str) -> dict:
     return results
 
 
+def moe(model_dirs: str) -> dict:
+    """Mixture-of-experts checkpoints (JSON: family -> directory) at TP 2: attention heads split,
+    experts split over the model axis (expert parallelism). test_moe.py's prompts and engine."""
+    prompts = random_prompts(4, 512, 3, 70, seed=11)
+    engine = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32)
+    return {family: _serve(path, prompts, 24, engine, tensor_parallel_size=2)
+            for family, path in json.loads(model_dirs).items()}
+
+
 if __name__ == "__main__":
     scenario, arg = sys.argv[1], sys.argv[2]
-    result = {"tiny": tiny, "smollm2": smollm2, "in_memory": in_memory}[scenario](arg)
+    result = {"tiny": tiny, "smollm2": smollm2, "in_memory": in_memory, "moe": moe}[scenario](arg)
     print(json.dumps(result))

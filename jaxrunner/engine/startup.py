@@ -174,6 +174,10 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
     report.update(max_model_len_source=why, compilation_cache_dir=cache_dir,
                   native_cpu_kernel=_native_kernel_status(device.platform))
+    architecture = model.architecture if model.architecture is not None else registry.architecture_for(cfg)
+    if hasattr(architecture, "expert_load"):  # mixture of experts: random against zero dummies
+        report["expert_load"] = _expert_load(config, runner, architecture, buckets[-1], key, len(buckets) - 1,
+                                             max_model_len, per_bucket)
     if model.kv_head_replication > 1:
         logger.warning("tensor_parallel_size=%d exceeds the model's %d KV heads: each KV head is replicated onto %d "
                        "shards (the KV pool holds %d heads)", report["tensor_parallel_size"],
@@ -197,6 +201,18 @@ def _native_kernel_status(platform: str) -> str:
 
     reason = native.unavailable_reason()
     return "ready" if reason is None else f"unavailable, XLA fallback in use: {reason}"
+
+
+def _expert_load(config, runner, architecture, bucket, key, index, max_model_len, per_bucket) -> dict:
+    """The expert-load report (``warmup.expert_load_report``) on the dummy batch warm-up ran."""
+    dummy = warmup.random_dummy_batch(jax.random.fold_in(key, index), bucket, config.page_size,
+                                      runner.cache_spec.num_pages, architecture.cfg.vocab_size, max_model_len,
+                                      config.max_num_prefill_seqs)
+    load = warmup.expert_load_report(runner, architecture, bucket, dummy, config.page_size)
+    load["peak_activation_bytes"] = per_bucket[str(bucket)].get("temp_bytes")  # one executable for both inputs
+    logger.info("expert load on bucket %s (max/mean tokens per expert): random %s, zeros %s (every row)",
+                bucket, load["random"]["max_over_mean"], load["zeros"]["rows_max_over_mean"])
+    return load
 
 
 def _family_name(model: LoadedModel) -> str:

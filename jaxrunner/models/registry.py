@@ -20,7 +20,7 @@ from jaxrunner.models.config import ModelConfig, UnsupportedModelError
 
 # The modules that define families, imported on the first lookup. Adding an architecture is one
 # module here plus this line.
-FAMILY_MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILY_MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)

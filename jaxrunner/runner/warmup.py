@@ -274,3 +274,45 @@ def check_sampled(sampled: dict, live: int, vocab_size: int, bucket: Bucket) -> 
     if np.any((tokens < 0) | (tokens >= vocab_size)) or not np.all(np.isfinite(logprobs)):
         raise StartupError(f"warm-up self-check: bucket {bucket} produced invalid samples "
                            f"(tokens {tokens.tolist()}, logprobs {logprobs.tolist()})")
+
+
+# ----------------------------------------------------------------------------- MoE expert load
+def expert_load_report(runner, architecture, bucket: Bucket, random_batch: dict, page_size: int) -> dict:
+    """How the dummy tokens of ``bucket`` spread over a MoE model's experts, random against zeros.
+
+    With zeros every token is the same token at the same position, so every layer routes them all
+    to the same ``top_k`` experts; and the zero batch has no live rows at all, which the MoE layer
+    skips, so its expert loop never runs. XLA's memory analysis is of the one executable both
+    batches run (static shapes), so its peak temporaries are the same for both: what differs is the
+    load, the expert blocks the loop runs, and the step's time. Counts come from
+    ``architecture.expert_load`` (the forward with attention inside each sequence and no cache).
+    """
+    from jaxrunner.models import moe
+
+    probe = jax.jit(architecture.expert_load)
+    cfg = architecture.cfg
+    report = {"bucket": str(bucket), "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok}
+    for name, batch in (("random", random_batch), ("zeros", zeros_dummy_batch(bucket, page_size))):
+        live = int(batch["cu_q_lens"][int(batch["num_seqs"])])
+        segments = np.searchsorted(batch["cu_q_lens"][1:], np.arange(bucket.num_tokens), side="right")
+        args = (runner.params, batch["token_ids"], batch["positions"], segments.astype(np.int32))
+        counts = np.asarray(probe(*args, np.int32(live)))
+        rows = np.asarray(probe(*args, np.int32(bucket.num_tokens)))
+        start = time.perf_counter()
+        runner.execute(bucket, batch)
+        report[name] = {"tokens": live, **load_spread(counts), "rows_max_over_mean": load_spread(rows)["max_over_mean"],
+                        "expert_blocks": sum(moe.blocks_for_counts(c, bucket.num_tokens, cfg.num_experts_per_tok)
+                                             for c in counts),
+                        "step_s": time.perf_counter() - start}
+    return report
+
+
+def load_spread(counts: np.ndarray) -> dict:
+    """Per-layer expert counts [layers, E] -> the worst layer's max/mean and the mean coefficient
+    of variation (None without tokens)."""
+    counts = np.asarray(counts, np.float64)
+    mean = counts.mean(axis=1)
+    if not np.all(mean > 0):
+        return {"max_over_mean": None, "cv": None}
+    return {"max_over_mean": round(float(np.max(counts.max(axis=1) / mean)), 3),
+            "cv": round(float(np.mean(counts.std(axis=1) / mean)), 3)}

@@ -1,0 +1,173 @@
+"""A decoder whose every MLP is a sparse mixture of experts (``models.moe``): what Mixtral and
+Qwen3-MoE share — their config fields, forward, expert params, partition rules.
+
+Attention is the Llama family's (fused, KV-grouped q/k/v; rotate-half RoPE; ``models.blocks``), with
+Qwen3's RMSNorm per head on q and k where the config says ``qk_norm``. Experts are split over the mesh's
+``"model"`` axis (expert parallelism) while attention keeps its heads split (tensor parallelism);
+the forward learns the mesh from the attention callable it is handed (``PagedAttention.mesh``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxrunner.models import blocks, moe
+from jaxrunner.models.attention import DenseAttention
+from jaxrunner.models.config import ModelConfig, UnsupportedModelError
+from jaxrunner.models.llama import compute_logits, rms_norm, rope_tables
+from jaxrunner.models.params import decoder_shapes, take
+from jaxrunner.models.quant import linear
+from jaxrunner.parallel import sharding
+from jaxrunner.parallel.mesh import MODEL_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(ModelConfig):
+    """``intermediate_size`` is each expert's width."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    normalize_top_k: bool = True
+    qk_norm: bool = False
+
+    @property
+    def moe_spec(self) -> moe.MoESpec:
+        return moe.MoESpec(self.num_experts, self.num_experts_per_tok, self.intermediate_size, self.normalize_top_k)
+
+
+def check_experts(cfg: MoEConfig, source: str) -> None:
+    if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise UnsupportedModelError(f"{source}: num_experts_per_tok={cfg.num_experts_per_tok} must be in "
+                                    f"[1, num_experts={cfg.num_experts}]")
+
+
+# ----------------------------------------------------------------------------- forward
+def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: MoEConfig, attention, rows=None):
+    """Llama's attention, with Qwen3's per-head q/k RMSNorm before RoPE when the config has it."""
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    qkv = blocks.project_qkv(layer, h, cfg)
+    if cfg.qk_norm:
+        qkv = blocks.norm_qk(qkv, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
+    out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, cos, sin), layer_cache, meta, cfg, attention,
+                                     sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    x, out = blocks.take_rows(rows, x, out)
+    return x + linear(out.astype(x.dtype), layer["wo"]), layer_cache
+
+
+def token_mask(meta, num_rows: int):
+    """[T] true for the rows that are tokens of the step's sequences (None: every row is)."""
+    if not isinstance(meta, dict) or "cu_q_lens" not in meta:
+        return None
+    return jnp.arange(num_rows) < meta["cu_q_lens"][meta["num_seqs"]]
+
+
+def forward(params, cfg: MoEConfig, token_ids, positions, kv_cache, meta, attention, rows=None, loads=None):
+    """As ``models.llama.forward``, with MoE MLPs. ``loads``: a list that receives each layer's
+    expert counts [E] (the start-up report's probe; the served step passes none)."""
+    x = jnp.take(params["embed"], token_ids, axis=0)
+    cos, sin = rope_tables(cfg, positions)
+    valid = token_mask(meta, x.shape[0])
+    mesh = getattr(attention, "mesh", None)
+    new_cache = []
+    last = len(params["layers"]) - 1
+    for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
+        layer_rows = rows if i == last else None
+        x, layer_cache = _attention_block(layer, x, cos, sin, layer_cache, meta, cfg, attention, layer_rows)
+        row_valid = valid if valid is None or layer_rows is None else jnp.take(valid, layer_rows)
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        if loads is not None:
+            loads.append(moe.expert_counts(h, layer["router"], cfg.moe_spec, row_valid))
+        x = x + moe.moe_mlp(h, layer["router"], layer["experts_gate_up"], layer["experts_down"], cfg.moe_spec,
+                            valid=row_valid, mesh=mesh)
+        new_cache.append(layer_cache)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEArchitecture:
+    """The MoE decoder's functions the runner calls, bound to one config."""
+
+    cfg: MoEConfig
+
+    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows)
+
+    def compute_logits(self, params, hidden):
+        return compute_logits(params, self.cfg, hidden)
+
+    def expert_load(self, params, token_ids, positions, segment_ids, num_tokens):
+        """Expert counts [layers, E] of the first ``num_tokens`` rows (the rest are padding), with
+        attention inside each segment and no cache: how a batch's tokens spread over the experts
+        (the start-up report's probe)."""
+        loads = []
+        cache = [None] * self.cfg.num_layers
+        meta = {"cu_q_lens": jnp.stack([jnp.int32(0), jnp.int32(num_tokens)]), "num_seqs": 1}
+        attention = _SegmentAttention(segment_ids)
+        forward(params, self.cfg, token_ids, positions, cache, meta, attention, None, loads)
+        return jnp.stack(loads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SegmentAttention:
+    """DenseAttention within fixed segments, whatever ``meta`` says (the probe's meta only marks live rows)."""
+
+    segment_ids: jax.Array
+
+    def __call__(self, q, k, v, layer_cache, meta, **kwargs):
+        return DenseAttention()(q, k, v, layer_cache, self.segment_ids, **kwargs)
+
+
+# ----------------------------------------------------------------------------- params
+def expert_params(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> dict[str, np.ndarray]:
+    """Torch-layout stacks ``gate``/``up`` [E, I, D], ``down`` [E, D, I] -> ``experts_gate_up``
+    [E, D, 2I] (gate columns, then up) and ``experts_down`` [E, I, D]."""
+    return {"experts_gate_up": np.concatenate([gate, up], axis=1).transpose(0, 2, 1),
+            "experts_down": down.transpose(0, 2, 1)}
+
+
+def stacked_experts(state, cfg: MoEConfig, prefix: str, names: tuple[str, str, str], source: str):
+    """``experts.{e}.{gate,up,down}.weight`` for every expert, stacked (torch layout)."""
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = ((inter, d), (inter, d), (d, inter))
+    return [np.stack([take(state, f"{prefix}experts.{e}.{name}.weight", shape, source) for e in range(cfg.num_experts)])
+            for name, shape in zip(names, shapes)]
+
+
+def fused_experts(state, cfg: MoEConfig, prefix: str, source: str):
+    """transformers 5's own layout: ``experts.gate_up_proj`` [E, 2I, D], ``experts.down_proj`` [E, D, I]."""
+    d, inter, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    gate_up = take(state, prefix + "experts.gate_up_proj", (e, 2 * inter, d), source)
+    down = take(state, prefix + "experts.down_proj", (e, d, inter), source)
+    return gate_up[:, :inter], gate_up[:, inter:], down
+
+
+def layer_shapes(cfg: MoEConfig) -> dict:
+    d, inter, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    layer = {"attn_norm": (d,), "wqkv": (d, cfg.q_size + 2 * cfg.kv_size), "wo": (cfg.q_size, d),
+             "mlp_norm": (d,), "router": (d, e), "experts_gate_up": (e, d, 2 * inter), "experts_down": (e, inter, d)}
+    if cfg.qk_norm:
+        layer.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    return layer
+
+
+def param_shapes(cfg: MoEConfig) -> dict:
+    return decoder_shapes(cfg, layer_shapes(cfg))
+
+
+# ----------------------------------------------------------------------------- parallelism
+EXPERTS = P(MODEL_AXIS, None, None)  # [E, in, out] split by expert
+QUANTIZED_LEAVES = ("wqkv", "wo")    # int8 experts: not yet (per-expert scales)
+KV_GROUPED_LEAVES = ("wqkv",)
+
+
+def partition_rules(cfg: MoEConfig, tp: int) -> dict:
+    """Attention as the Llama family (heads split), experts whole on each shard (expert parallel)."""
+    moe.check_expert_parallel(cfg.num_experts, tp)
+    return {**sharding.vocab_rules(cfg, tp), "wqkv": sharding.COLUMN, "wo": sharding.ROW,
+            "attn_norm": sharding.REPLICATED, "mlp_norm": sharding.REPLICATED, "final_norm": sharding.REPLICATED,
+            "q_norm": sharding.REPLICATED, "k_norm": sharding.REPLICATED, "router": sharding.REPLICATED,
+            "experts_gate_up": EXPERTS, "experts_down": EXPERTS}
