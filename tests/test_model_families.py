@@ -186,7 +186,7 @@ def test_engine_greedy_matches_transformers_generate(checkpoints, prompts, refer
     ref_tokens, ref_logprobs = reference[family]
     assert token_ids(outputs) == ref_tokens
     for output, expected in zip(outputs, ref_logprobs):
-        got = [step[token] for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
+        got = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
         np.testing.assert_allclose(got, expected, atol=2e-3)
 
 
@@ -288,7 +288,7 @@ def test_phi3_long_rope_serves_up_to_its_original_length(checkpoints):
     cfg = ModelConfig.from_hf_dict(_hf_dict("phi3-longrope"))
     assert cfg.max_position_embeddings == 128 and cfg.rope_short_factor == (1.0, 1.7, 3.1, 5.3)
     assert cfg.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(128)) ** 0.5)
-    with pytest.raises(ValueError, match=r"max_model_len=256 exceeds the model's max_position_embeddings \(128\)"):
+    with pytest.raises(ValueError, match=r"max_model_len: 256 exceeds the model's max_position_embeddings \(128\)"):
         make_llm(checkpoints["phi3-longrope"], **{**FAMILY_ENGINE, "max_model_len": 256})
     with pytest.raises(UnsupportedModelError, match="rope_scaling type 'yarn' is not supported for phi3"):
         ModelConfig.from_hf_dict(_hf_dict("phi3", rope_parameters={"rope_type": "yarn", "factor": 2.0}))

@@ -212,7 +212,7 @@ def test_moe_engine_greedy_matches_transformers_generate(moe_checkpoints, hf_gre
     assert compiles == []
     assert token_ids(outputs) == hf_greedy["tokens"][family]
     for output, expected in zip(outputs, hf_greedy["logprobs"][family]):
-        got = [step[token] for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
+        got = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
         np.testing.assert_allclose(got, expected, atol=2e-3)
     load = llm.startup_report["expert_load"]
     assert load["random"]["tokens"] > 0 and load["random"]["expert_blocks"] > 0

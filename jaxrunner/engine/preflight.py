@@ -8,12 +8,15 @@ again with the exact numbers (``engine/startup.py``).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.startup import default_kv_cache_dtype, resolve_max_model_len
+from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loader import peek_model
 from jaxrunner.parallel import distributed, mesh as meshes
@@ -47,7 +50,9 @@ def check_before_loading(config: EngineConfig) -> None:
 def estimated_weights_bytes(cfg: ModelConfig, dtype: str, quantization: str | None) -> int:
     """The served weights' size (int8: one byte per parameter, scales left out)."""
     itemsize = 1 if quantization == "int8" else np.dtype(jax.numpy.dtype(dtype)).itemsize
-    return cfg.num_params() * itemsize
+    shapes = registry.family_for_config(cfg).param_shapes(cfg)
+    num_params = sum(math.prod(shape) for shape in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    return num_params * itemsize
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, kv_dtype: str) -> int:

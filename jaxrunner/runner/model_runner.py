@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import os
 import time
 
@@ -43,9 +44,8 @@ def model_step(params, kv_cache, batch, feed, *, architecture, attention):
     token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
     targets = batch["prompt_targets"]
     wants_prompt_logprobs = jnp.any(targets >= 0)
-    hidden, kv_cache, every_row = architecture.forward(params, token_ids, batch["positions"], kv_cache, batch,
-                                                       attention, rows=batch["logits_indices"],
-                                                       all_rows=wants_prompt_logprobs)
+    hidden, kv_cache, every_row = _forward(architecture, params, token_ids, batch["positions"], kv_cache, batch,
+                                           attention, batch["logits_indices"], wants_prompt_logprobs)
     logits = architecture.compute_logits(params, hidden)
     sampled = sampler.sample(logits, batch["sampling"])
     logits_of = functools.partial(architecture.compute_logits, params)
@@ -54,6 +54,17 @@ def model_step(params, kv_cache, batch, feed, *, architecture, attention):
                                 lambda h: sampler.empty_prompt_logprobs(h.shape[0]), every_row))
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), sampled["tokens"].astype(feed.dtype), (0,))
     return sampled, next_feed, kv_cache
+
+
+def _forward(architecture, params, token_ids, positions, kv_cache, batch, attention, rows, all_rows):
+    """(final hidden of ``rows``, new cache, final hidden of every row). An architecture whose
+    ``forward`` takes ``all_rows`` runs its last layer on every row only in steps that need it
+    (prompt logprobs); any other runs it on every row and the sampled rows are taken after."""
+    if "all_rows" in inspect.signature(architecture.forward).parameters:
+        return architecture.forward(params, token_ids, positions, kv_cache, batch, attention, rows=rows,
+                                    all_rows=all_rows)
+    every_row, kv_cache = architecture.forward(params, token_ids, positions, kv_cache, batch, attention)
+    return jnp.take(every_row, rows, axis=0), kv_cache, every_row
 
 
 @dataclasses.dataclass(frozen=True)
