@@ -26,7 +26,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
     warmup_inputs: str = "random"           # random | zeros
-    quantization: str | None = None         # None | "int8" (weights and per-token activations)
+    quantization: str | None = None         # None | "int8" | "int4" (weight-only) | "w8a8" (models/quant.py)
+    quantization_group_size: int = 32       # int4: inputs per scale (32 or 64)
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
             "JAXRUNNER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner", "xla")))
@@ -47,10 +48,11 @@ class EngineConfig:
             ("attention_impl", self.attention_impl in ("auto", "pallas", "jax_tpu", "xla", "native", "reference")),
             ("memory_utilization", 0.0 < self.memory_utilization <= 1.0),
             ("warmup_inputs", self.warmup_inputs in ("random", "zeros")),
-            ("quantization", self.quantization in (None, "int8")),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1),
             ("data_parallel_size", isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1),
         ]
+        from jaxrunner.models.quant import check_quantization
+        check_quantization(self.quantization, self.quantization_group_size)
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"EngineConfig.{name}: invalid value {getattr(self, name)!r}")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.quant import linear, linear_f32, matmul_f32_acc
+from jaxrunner.models.linear import linear, linear_f32, matmul_f32_acc
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

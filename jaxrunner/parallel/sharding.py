@@ -36,12 +36,17 @@ def _leaf_names(path) -> list[str]:
 
 
 def leaf_spec(path, shard_vocab: bool) -> P:
-    """The PartitionSpec of one params leaf, from its key path (int8 weights are {"q", "scale"})."""
+    """The PartitionSpec of one params leaf, from its key path (w8a8 weights are {"q", "scale"}, weight-only ones
+    {"packed", "scales", "offsets"})."""
     names = _leaf_names(path)
     name = names[-1] if names else ""
     part = None
     if name in ("q", "scale") and len(names) >= 2:
         name, part = names[-2], name
+    if name in ("packed", "scales", "offsets") and len(names) >= 2:
+        # weight-only leaves are [out, in] (models/quant.py): split the outputs of column-parallel
+        # weights; row-parallel ones stay whole on every shard
+        return P(MODEL_AXIS, None) if names[-2] in COLUMN_PARALLEL else P()
     if name in COLUMN_PARALLEL:
         return P(MODEL_AXIS) if part == "scale" else P(None, MODEL_AXIS)
     if name == "bqkv":

@@ -1,0 +1,157 @@
+// Weight-only quantized matmul with few rows for XLA:CPU, as an XLA FFI custom call:
+// y [M, N] float32 = x [M, K] . W^T, 1 <= M <= 4, x float32 or bfloat16, W [N, K] quantized as
+// jaxrunner/models/quant.py describes: int8 (`packed` int8 [N, K]) or int4 (`packed` uint8
+// [N, K/2], two inputs per byte in GGUF's Q4_0 order), with float32 `scales` [N, G] and, for
+// int4, `offsets` [N, G]: w[n, k] = scales[n, g] * q[n, k] + offsets[n, g], g = k / (K / G).
+//
+// Why: a batch-1 decode reads every weight once per token, so its time is the bytes it reads.
+// Here the packed bytes are read once, in the order they lie in memory, and unpacked to float32
+// in registers; nothing the size of the float weight is ever written. Per group, the codes'
+// products with x accumulate in float32 and are scaled once; the offsets contribute
+// offset * sum(x over the group), with the sums computed once per call.
+//
+// Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
+// same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+#include "work_queue.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace jaxrunner_cpu;
+
+constexpr int kMaxRows = 4;
+constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
+constexpr int64_t kOutputsPerItem = 32;
+
+typedef uint8_t B16 __attribute__((vector_size(16)));
+typedef int8_t S16 __attribute__((vector_size(16)));
+
+struct Problem {
+  int64_t rows, k, n, groups;
+  const float* x;        // [rows, k] float32
+  const float* xsum;     // [rows, groups] sum of x over each group
+  const void* packed;    // [n, k/2] uint8 or [n, k] int8
+  const float* scales;   // [n, groups]
+  const float* offsets;  // [n, groups] or null
+  float* y;              // [rows, n]
+};
+
+// The 32 weights of one run as two 16-float vectors (inputs 0..15 and 16..31).
+inline void Unpack(const uint8_t* p, F16& lo, F16& hi) {  // int4: low nibbles, then high
+  B16 b;
+  std::memcpy(&b, p, sizeof b);
+  lo = __builtin_convertvector(b & 15, F16);
+  hi = __builtin_convertvector(b >> 4, F16);
+}
+inline void Unpack(const int8_t* p, F16& lo, F16& hi) {  // int8
+  S16 a, b;
+  std::memcpy(&a, p, sizeof a);
+  std::memcpy(&b, p + 16, sizeof b);
+  lo = __builtin_convertvector(a, F16);
+  hi = __builtin_convertvector(b, F16);
+}
+
+template <int M, typename QT>
+void Output(const Problem& p, int64_t n) {
+  constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;  // bytes per run
+  const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
+  const float* sc = p.scales + n * p.groups;
+  const int64_t runs_per_group = p.k / p.groups / kRun;
+  F16 acc[M] = {};
+  float off[M] = {};
+  int64_t k = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    F16 part[M] = {};
+    for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += kRunBytes) {
+      F16 lo, hi;
+      Unpack(row, lo, hi);
+      for (int m = 0; m < M; ++m) part[m] += lo * Load(p.x + m * p.k + k) + hi * Load(p.x + m * p.k + k + 16);
+    }
+    const F16 s = Splat(sc[g]);
+    for (int m = 0; m < M; ++m) acc[m] += part[m] * s;
+    if (p.offsets != nullptr)
+      for (int m = 0; m < M; ++m) off[m] += p.offsets[n * p.groups + g] * p.xsum[m * p.groups + g];
+  }
+  for (int m = 0; m < M; ++m) p.y[m * p.n + n] = Sum(acc[m]) + off[m];
+}
+
+struct NoScratch {};
+
+template <int M, typename QT>
+void Run(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
+  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) {
+    const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) Output<M, QT>(p, n);
+  });
+}
+
+template <typename QT>
+void RunRows(ffi::ThreadPool& pool, const Problem& p) {
+  switch (p.rows) {
+    case 1: Run<1, QT>(pool, p); break;
+    case 2: Run<2, QT>(pool, p); break;
+    case 3: Run<3, QT>(pool, p); break;
+    default: Run<4, QT>(pool, p); break;
+  }
+}
+
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales,
+                       ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
+  using ffi::DataType;
+  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  const bool bf16 = x.element_type() == DataType::BF16;
+  const bool int4 = packed.element_type() == DataType::U8;
+  if ((!bf16 && x.element_type() != DataType::F32) || (!int4 && packed.element_type() != DataType::S8) ||
+      scales.element_type() != DataType::F32 || offsets.element_type() != DataType::F32 ||
+      y->element_type() != DataType::F32)
+    return ffi::Error::InvalidArgument("quantized matmul: x bf16 or f32, packed uint8 or int8, scales, offsets, y f32");
+  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized matmul: all operands must be matrices");
+  const int64_t rows = xd[0], k = xd[1], n = pd[0], groups = sd[1];
+  if (pd[1] * (int4 ? 2 : 1) != k || sd[0] != n || yd[0] != rows || yd[1] != n || groups < 1 ||
+      k % groups != 0 || (k / groups) % kRun != 0)
+    return ffi::Error::InvalidArgument("quantized matmul: shapes do not match, or groups are not whole runs of 32");
+  if (has_offsets && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != n ||
+                      offsets.dimensions()[1] != groups))
+    return ffi::Error::InvalidArgument("quantized matmul: offsets must be [N, G] like scales");
+  if (rows < 1 || rows > kMaxRows) return ffi::Error::InvalidArgument("quantized matmul: x must have 1 to 4 rows");
+  std::vector<float> x32(rows * k), xsum(rows * groups, 0.0f);
+  if (bf16) {
+    const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t i = 0; i < rows * k; ++i) x32[i] = ToF32(x16[i]);
+  } else {
+    std::memcpy(x32.data(), x.untyped_data(), rows * k * sizeof(float));
+  }
+  const int64_t group = k / groups;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / group] += x32[m * k + i];
+  const Problem p{rows, k, n, groups, x32.data(), xsum.data(), packed.untyped_data(),
+                  static_cast<const float*>(scales.untyped_data()),
+                  has_offsets ? static_cast<const float*>(offsets.untyped_data()) : nullptr,
+                  static_cast<float*>(y->untyped_data())};
+  if (int4) RunRows<uint8_t>(pool, p);
+  else RunRows<int8_t>(pool, p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuQuantMatmul, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16 or f32
+                                  .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 or [N, K] int8
+                                  .Arg<ffi::AnyBuffer>()  // scales [N, G] f32
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N, G] f32 (ignored without has_offsets)
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32
+                                  .Attr<int64_t>("has_offsets"));
