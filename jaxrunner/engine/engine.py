@@ -31,6 +31,7 @@ from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
 from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.models.quant import quantize_model
 from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner.batch import pack_step
