@@ -210,7 +210,7 @@ def cpu_features() -> list[str]:
 
 
 def quantized_matmul_supported(x, w: dict) -> bool:
-    """Whether :func:`quantized_matmul_native` takes ``x`` [1..4, K] (bf16 or float32) and the
+    """Whether :func:`quantized_matmul_native` takes ``x`` [rows, K] (bf16 or float32) and the
     weight-only leaf ``w`` (``jaxrunner/models/quant.py``): groups must be whole runs of 32."""
     packed, scales = w["packed"], w["scales"]
     if x.ndim != 2 or packed.ndim != 2 or scales.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
@@ -219,16 +219,16 @@ def quantized_matmul_supported(x, w: dict) -> bool:
     if not int4 and packed.dtype != jnp.int8:
         return False
     k, groups = x.shape[1], scales.shape[1]
-    return (1 <= x.shape[0] <= MATMUL_MAX_ROWS and packed.shape[1] * (2 if int4 else 1) == k
+    return (x.shape[0] >= 1 and packed.shape[1] * (2 if int4 else 1) == k
             and scales.shape[0] == packed.shape[0] and k % groups == 0 and (k // groups) % 32 == 0)
 
 
 def quantized_matmul_native(x, w: dict):
-    """``x @ dequantize(w).T`` with a float32 result for 1 to 4 rows: the packed weights are read
-    once and unpacked in registers (see ``cpu/quant_matmul.cc``)."""
+    """``x @ dequantize(w).T`` with a float32 result: the packed weights are read once and
+    unpacked in registers, four outputs at a time for many rows (see ``cpu/quant_matmul.cc``)."""
     _require()
     if not quantized_matmul_supported(x, w):
-        raise ValueError(f"the native quantized matmul takes x [1..{MATMUL_MAX_ROWS}, K] bf16 or float32 and a "
+        raise ValueError(f"the native quantized matmul takes x [rows, K] bf16 or float32 and a "
                          f"weight-only leaf with groups of whole runs of 32; got x {x.dtype}{list(x.shape)}, "
                          f"packed {w['packed'].dtype}{list(w['packed'].shape)}, scales {list(w['scales'].shape)}")
     offsets = w.get("offsets")

@@ -36,7 +36,7 @@ def _oracle(x, leaf):
 
 @needs_native
 @pytest.mark.parametrize("fmt,group", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
     x, w, leaf = _case(fmt, group, rows, dtype)
@@ -50,7 +50,7 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
 @pytest.mark.parametrize("fmt,group", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_xla_path_matches_float64_oracle(fmt, group, dtype):
-    x, w, leaf = _case(fmt, group, 9, dtype, seed=1)  # more rows than the kernel takes
+    x, w, leaf = _case(fmt, group, linear.NATIVE_QUANT_ROWS + 3, dtype, seed=1)  # more rows than the kernel takes
     got = np.asarray(jax.jit(linear.weight_only_matmul)(x, w))
     want, magnitude = _oracle(x, leaf)
     weight_rounding = 0.0 if dtype == jnp.float32 else 2.0 ** -8
@@ -67,7 +67,8 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     x, w, _ = _case("int4", 32, 4, jnp.float32)
     assert _native_calls(linear.linear_f32, x[:1], w) == 1
     assert _native_calls(linear.linear_f32, x, w) == 1
-    assert _native_calls(linear.linear_f32, jnp.concatenate([x, x]), w) == 0
+    assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 4), w) == 1
+    assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 5), w) == 0
     assert _native_calls(linear.linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
                                                         "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
 
@@ -75,10 +76,10 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
 def test_kernel_refuses_what_it_cannot_take():
     x, w, _ = _case("int4", 32, 1, jnp.float32)
     assert not native.quantized_matmul_supported(x[:, :100], w)
-    assert not native.quantized_matmul_supported(jnp.zeros((5, 192)), w)
+    assert not native.quantized_matmul_supported(jnp.zeros((0, 192)), w)
     assert not native.quantized_matmul_supported(x, {**w, "scales": w["scales"][:, :5]})  # groups of 38.4
     with pytest.raises(ValueError, match="native quantized matmul takes x"):
-        native.quantized_matmul_native(jnp.zeros((5, 192)), w)
+        native.quantized_matmul_native(jnp.zeros((2, 100)), w)
 
 
 def test_cpu_features_are_detected_not_assumed():
@@ -91,7 +92,7 @@ def test_cpu_features_are_detected_not_assumed():
 def test_xla_path_lowers_for_gpu_and_tpu(platform, fmt, group):
     """Accelerators take the XLA path: dequantize (int ops and a multiply-add) then one dot with
     float32 accumulation; no host kernel in the program."""
-    x, w, _ = _case(fmt, group, 16, jnp.bfloat16)
+    x, w, _ = _case(fmt, group, 32, jnp.bfloat16)  # more rows than the CPU kernel takes on this host
     with lowering_context(platform):
         text = jax.jit(linear.linear_f32).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
     assert "dot_general" in text and "custom_call" not in text

@@ -1,5 +1,5 @@
 // Weight-only quantized matmul with few rows for XLA:CPU, as an XLA FFI custom call:
-// y [M, N] float32 = x [M, K] . W^T, 1 <= M <= 4, x float32 or bfloat16, W [N, K] quantized as
+// y [M, N] float32 = x [M, K] . W^T, any M >= 1, x float32 or bfloat16, W [N, K] quantized as
 // jaxrunner/models/quant.py describes: int8 (`packed` int8 [N, K]) or int4 (`packed` uint8
 // [N, K/2], two inputs per byte in GGUF's Q4_0 order), with float32 `scales` [N, G] and, for
 // int4, `offsets` [N, G]: w[n, k] = scales[n, g] * q[n, k] + offsets[n, g], g = k / (K / G).
@@ -32,7 +32,7 @@ namespace {
 
 using namespace jaxrunner_cpu;
 
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
 constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
 constexpr int64_t kOutputsPerItem = 32;
 
@@ -109,6 +109,70 @@ void Output(const Problem& p, int64_t n) {
 
 struct NoScratch {};
 
+// ---- Many rows (a prefill chunk): four outputs at a time, their weights unpacked once into a
+// float32 scratch [4, K] (L1/L2), then every block of four x rows against them: sixteen
+// accumulators, eight loads per sixteen FMAs. Each packed byte is still read once per call.
+
+template <typename QT>
+void DequantizeRow(const Problem& p, int64_t n, float* out) {
+  constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;
+  const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
+  const int64_t runs_per_group = p.k / p.groups / kRun;
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    const F16 s = Splat(p.scales[n * p.groups + g]);
+    const F16 o = Splat(p.offsets != nullptr ? p.offsets[n * p.groups + g] : 0.0f);
+    for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += kRunBytes) {
+      F16 lo, hi;
+      Unpack(row, lo, hi);
+      lo = lo * s + o;
+      hi = hi * s + o;
+      std::memcpy(out + k, &lo, sizeof lo);
+      std::memcpy(out + k + 16, &hi, sizeof hi);
+    }
+  }
+}
+
+struct TileScratch {
+  std::vector<float> w;  // [4, K] the current four outputs' weights
+};
+
+template <typename QT>
+void TileItem(const Problem& p, int64_t item, TileScratch& scratch) {
+  scratch.w.resize(4 * p.k);
+  float* w = scratch.w.data();
+  const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+  for (int64_t n0 = item * kOutputsPerItem; n0 < n1; n0 += 4) {
+    const int64_t count = std::min<int64_t>(4, n1 - n0);
+    for (int64_t j = 0; j < 4; ++j) DequantizeRow<QT>(p, n0 + std::min(j, count - 1), w + j * p.k);
+    for (int64_t m0 = 0; m0 < p.rows; m0 += 4) {
+      const int64_t mc = std::min<int64_t>(4, p.rows - m0);
+      const float* x[4];
+      for (int64_t i = 0; i < 4; ++i) x[i] = p.x + (m0 + std::min(i, mc - 1)) * p.k;
+      F16 acc[4][4] = {};
+      for (int64_t k = 0; k < p.k; k += kLanes) {
+        const F16 w0 = Load(w + k), w1 = Load(w + p.k + k), w2 = Load(w + 2 * p.k + k), w3 = Load(w + 3 * p.k + k);
+        for (int i = 0; i < 4; ++i) {
+          const F16 xv = Load(x[i] + k);
+          acc[i][0] += xv * w0;
+          acc[i][1] += xv * w1;
+          acc[i][2] += xv * w2;
+          acc[i][3] += xv * w3;
+        }
+      }
+      for (int64_t i = 0; i < mc; ++i) {
+        const F4 sums = Sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        for (int64_t j = 0; j < count; ++j) p.y[(m0 + i) * p.n + n0 + j] = sums[j];
+      }
+    }
+  }
+}
+
+template <typename QT>
+void RunTiles(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
+  RunItems<TileScratch>(pool, items, [p](int64_t item, TileScratch& scratch) { TileItem<QT>(p, item, scratch); });
+}
+
 template <int M, typename QT>
 void Run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
@@ -120,6 +184,7 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
 
 template <typename QT>
 void RunRows(ffi::ThreadPool& pool, const Problem& p) {
+  if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
   switch (p.rows) {
     case 1: Run<1, QT>(pool, p); break;
     case 2: Run<2, QT>(pool, p); break;
@@ -147,7 +212,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   if (has_offsets && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != n ||
                       offsets.dimensions()[1] != groups))
     return ffi::Error::InvalidArgument("quantized matmul: offsets must be [N, G] like scales");
-  if (rows < 1 || rows > kMaxRows) return ffi::Error::InvalidArgument("quantized matmul: x must have 1 to 4 rows");
+  if (rows < 1) return ffi::Error::InvalidArgument("quantized matmul: x must have at least one row");
   std::vector<float> x32(rows * k), xsum(rows * groups, 0.0f);
   if (bf16) {
     const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
