@@ -37,6 +37,8 @@ MATMUL_SYMBOL = "JaxrunnerCpuSmallMatmul"
 MATMUL_MAX_ROWS = 4
 QUANT_MATMUL_TARGET_NAME = "jaxrunner_cpu_quant_matmul"
 QUANT_MATMUL_SYMBOL = "JaxrunnerCpuQuantMatmul"
+DEQUANTIZE_TARGET_NAME = "jaxrunner_cpu_dequantize"
+DEQUANTIZE_SYMBOL = "JaxrunnerCpuDequantize"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
 # for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
@@ -119,6 +121,8 @@ def _load() -> None:
     jax.ffi.register_ffi_target(WRITE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, MATMUL_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, QUANT_MATMUL_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(DEQUANTIZE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, DEQUANTIZE_SYMBOL)),
                                 platform="cpu")
 
 
@@ -235,4 +239,15 @@ def quantized_matmul_native(x, w: dict):
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET_NAME,
                             jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
     return call(x, w["packed"], w["scales"], jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets,
+                has_offsets=np.int64(offsets is not None))
+
+
+def dequantize_native(w: dict):
+    """The float32 [N, K] a weight-only leaf stands for, unpacked on all threads (for products
+    that XLA's dot takes; see ``cpu/quant_matmul.cc``). Groups must be whole runs of 32."""
+    _require()
+    packed, offsets = w["packed"], w.get("offsets")
+    k = packed.shape[1] * (2 if packed.dtype == jnp.uint8 else 1)
+    call = jax.ffi.ffi_call(DEQUANTIZE_TARGET_NAME, jax.ShapeDtypeStruct((packed.shape[0], k), jnp.float32))
+    return call(packed, w["scales"], jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets,
                 has_offsets=np.int64(offsets is not None))

@@ -69,8 +69,19 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     assert _native_calls(linear.linear_f32, x, w) == 1
     assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 4), w) == 1
     assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 5), w) == 0
+    more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
+    assert jax.jit(linear.linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
+    assert jax.jit(linear.linear_f32).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0
     assert _native_calls(linear.linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
                                                         "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
+
+
+@needs_native
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_native_dequantize_equals_the_numpy_one(fmt, group):
+    _, w, leaf = _case(fmt, group, 1, jnp.float32)
+    got = np.asarray(jax.jit(native.dequantize_native)(w))
+    np.testing.assert_allclose(got, quant.dequantize(leaf, np.float32), rtol=1e-6, atol=1e-6)
 
 
 def test_kernel_refuses_what_it_cannot_take():

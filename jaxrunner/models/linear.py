@@ -43,24 +43,36 @@ def weight_only_matmul(x: jax.Array, w: dict) -> jax.Array:
 
     On one CPU device, up to ``NATIVE_QUANT_ROWS`` rows go to the native kernel, which unpacks the
     weights in registers and reads each byte once (a batch-1 decode streams the whole model per
-    token, so bytes are time; a batch of decodes likewise). Otherwise XLA: the weight is dequantized to ``x``'s dtype and
-    multiplied with float32 accumulation, which for many rows costs little next to the product."""
+    token, so bytes are time; a batch of decodes likewise). More rows go to XLA's dot with float32
+    accumulation, the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own
+    unpacking fusion was several times slower), by XLA in ``x``'s dtype otherwise."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if _native_quant_takes(x2, w):
+    native_path = _native_quant_path(x2, w)
+    if native_path == "matmul":
         from jaxrunner.kernels import native
         out = native.quantized_matmul_native(x2, w)
     else:
-        out = jax.lax.dot_general(x2, quant.dequantize(w, x.dtype), (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+        if native_path == "dequantize":
+            from jaxrunner.kernels import native
+            dense = native.dequantize_native(w)
+        else:
+            dense = quant.dequantize(w, x.dtype)
+        out = jax.lax.dot_general(x2, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return out.reshape(*lead, out.shape[-1])
 
 
-def _native_quant_takes(x: jax.Array, w: dict) -> bool:
-    if x.shape[0] > NATIVE_QUANT_ROWS or jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return False
+def _native_quant_path(x: jax.Array, w: dict) -> str | None:
+    """"matmul" (the native kernel does the product), "dequantize" (it unpacks a float32 weight
+    for XLA's dot: many float32 rows) or None (XLA alone: other backends, several devices, bf16)."""
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return None
     from jaxrunner.kernels import native
-    return native.quantized_matmul_supported(x, w) and native.available()
+    if not native.quantized_matmul_supported(x, w) or not native.available():
+        return None
+    if x.shape[0] <= NATIVE_QUANT_ROWS:
+        return "matmul"
+    return "dequantize" if x.dtype == jnp.float32 else None
 
 
 def w8a8_matmul(x: jax.Array, w: dict[str, jax.Array], guard: bool = True) -> jax.Array:

@@ -243,3 +243,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuQuantMatmul, QuantMatmul,
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] f32 (ignored without has_offsets)
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32
                                   .Attr<int64_t>("has_offsets"));
+
+// ---- Dequantize a whole weight into float32 [N, K], for products too big for the kernel above
+// (long prefill chunks), which XLA's dot then takes: the same unpacking as DequantizeRow, on all
+// threads, in place of an XLA fusion that unpacked nibbles several times slower.
+namespace {
+
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                      ffi::Result<ffi::AnyBuffer> w, int64_t has_offsets) {
+  using ffi::DataType;
+  const bool int4 = packed.element_type() == DataType::U8;
+  const auto pd = packed.dimensions(), sd = scales.dimensions(), wd = w->dimensions();
+  if ((!int4 && packed.element_type() != DataType::S8) || scales.element_type() != DataType::F32 ||
+      offsets.element_type() != DataType::F32 || w->element_type() != DataType::F32)
+    return ffi::Error::InvalidArgument("dequantize: packed uint8 or int8, scales, offsets and w float32");
+  if (pd.size() != 2 || sd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("dequantize: all operands must be matrices");
+  const int64_t n = pd[0], k = pd[1] * (int4 ? 2 : 1), groups = sd[1];
+  if (sd[0] != n || wd[0] != n || wd[1] != k || groups < 1 || k % groups != 0 || (k / groups) % kRun != 0)
+    return ffi::Error::InvalidArgument("dequantize: shapes do not match, or groups are not whole runs of 32");
+  if (has_offsets && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != n ||
+                      offsets.dimensions()[1] != groups))
+    return ffi::Error::InvalidArgument("dequantize: offsets must be [N, G] like scales");
+  const Problem p{0, k, n, groups, nullptr, nullptr, packed.untyped_data(),
+                  static_cast<const float*>(scales.untyped_data()),
+                  has_offsets ? static_cast<const float*>(offsets.untyped_data()) : nullptr, nullptr};
+  float* out = static_cast<float*>(w->untyped_data());
+  const int64_t items = (n + kOutputsPerItem - 1) / kOutputsPerItem;
+  RunItems<NoScratch>(pool, items, [p, out, int4](int64_t item, NoScratch&) {
+    const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+    for (int64_t row = item * kOutputsPerItem; row < n1; ++row) {
+      if (int4) DequantizeRow<uint8_t>(p, row, out + row * p.k);
+      else DequantizeRow<int8_t>(p, row, out + row * p.k);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 or [N, K] int8
+                                  .Arg<ffi::AnyBuffer>()  // scales [N, G] f32
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N, G] f32 (ignored without has_offsets)
+                                  .Ret<ffi::AnyBuffer>()  // w [N, K] f32
+                                  .Attr<int64_t>("has_offsets"));
