@@ -242,12 +242,16 @@ def quantized_matmul_native(x, w: dict):
                 has_offsets=np.int64(offsets is not None))
 
 
-def dequantize_native(w: dict):
+def dequantize_native(w: dict, after=None):
     """The float32 [N, K] a weight-only leaf stands for, unpacked on all threads (for products
-    that XLA's dot takes; see ``cpu/quant_matmul.cc``). Groups must be whole runs of 32."""
+    that XLA's dot takes; see ``cpu/quant_matmul.cc``). Groups must be whole runs of 32.
+
+    ``after``: an array the call takes but never reads, so that XLA runs it once ``after`` exists
+    (pass the product's activations). Without it, nothing tied the call to its layer, and XLA ran
+    every layer's dequantization at the start of the step, holding all the float weights at once."""
     _require()
     packed, offsets = w["packed"], w.get("offsets")
     k = packed.shape[1] * (2 if packed.dtype == jnp.uint8 else 1)
     call = jax.ffi.ffi_call(DEQUANTIZE_TARGET_NAME, jax.ShapeDtypeStruct((packed.shape[0], k), jnp.float32))
-    return call(packed, w["scales"], jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets,
-                has_offsets=np.int64(offsets is not None))
+    return call(jnp.zeros((1,), jnp.float32) if after is None else after, packed, w["scales"],
+                jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets, has_offsets=np.int64(offsets is not None))

@@ -55,7 +55,7 @@ def weight_only_matmul(x: jax.Array, w: dict) -> jax.Array:
     else:
         if native_path == "dequantize":
             from jaxrunner.kernels import native
-            dense = native.dequantize_native(w)
+            dense = native.dequantize_native(w, after=x2)
         else:
             dense = quant.dequantize(w, x.dtype)
         out = jax.lax.dot_general(x2, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -249,7 +249,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuQuantMatmul, QuantMatmul,
 // threads, in place of an XLA fusion that unpacked nibbles several times slower.
 namespace {
 
-ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer /*after*/, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                       ffi::Result<ffi::AnyBuffer> w, int64_t has_offsets) {
   using ffi::DataType;
   const bool int4 = packed.element_type() == DataType::U8;
@@ -285,6 +285,7 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer packed, ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // after: not read (orders the call)
                                   .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 or [N, K] int8
                                   .Arg<ffi::AnyBuffer>()  // scales [N, G] f32
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] f32 (ignored without has_offsets)
