@@ -115,3 +115,19 @@ def test_zero_warmup_inputs_serve_finite_w8a8_outputs(tiny_checkpoints):
     out = llm.generate(random_prompts(2, 512, 3, 10, seed=3), SamplingParams(temperature=0, max_tokens=4, logprobs=1),
                        use_tqdm=False)
     assert all(np.isfinite(o.outputs[0].cumulative_logprob) for o in out)
+
+
+def test_tied_embedding_is_quantized_and_serves(tmp_path):
+    """A tied embedding (the LM head every token reads whole) becomes int8 per row under the
+    weight-only formats: lookups dequantize their rows, the logits come from the packed table."""
+    from conftest import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "tied", "llama", tied=True)
+    prompts = random_prompts(4, 512, 3, 20, seed=4)
+    exact = _greedy(make_llm(path), prompts)
+    llm = make_llm(path, quantization="int8")
+    assert quant.is_weight_only(llm.engine.model.params["embed"])
+    with count_compilations() as compiles:
+        got = _greedy(llm, prompts)
+    assert compiles == []
+    assert np.mean([a[0] == b[0] for a, b in zip(got, exact)]) >= 0.75

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.linear import linear, linear_f32, matmul_f32_acc
+from jaxrunner.models import quant
+from jaxrunner.models.linear import linear, linear_f32, matmul_f32_acc, weight_only_matmul
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -121,7 +122,7 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     ([N, D]; default all [T, D]). The last layer then runs its output projection and MLP on those
     rows alone — a prefill chunk samples one row of hundreds, and that is ~3 % of its matmuls.
     """
-    x = jnp.take(params["embed"], token_ids, axis=0)
+    x = embedding_rows(params, token_ids)
     cos, sin = rope_tables(cfg, positions)
     new_cache = []
     last = len(params["layers"]) - 1
@@ -133,9 +134,19 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
 
+def embedding_rows(params, token_ids) -> jax.Array:
+    """The embedding rows of ``token_ids``, in the model's float dtype (a quantized embedding's
+    gathered rows are dequantized)."""
+    if quant.is_weight_only(params["embed"]):
+        return quant.take_rows(params["embed"], token_ids, params["final_norm"].dtype)
+    return jnp.take(params["embed"], token_ids, axis=0)
+
+
 def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Float32 logits [N, V] for the hidden rows that are sampled (not every prefill token)."""
     if cfg.tie_word_embeddings:
+        if quant.is_weight_only(params["embed"]):  # [V, D] is the [N, K] orientation already
+            return weight_only_matmul(hidden, params["embed"])
         return matmul_f32_acc(hidden, params["embed"], contract=(-1, 1))
     return matmul_f32_acc(hidden, params["lm_head"])
 

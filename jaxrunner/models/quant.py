@@ -22,8 +22,10 @@ GGUF's ``Q4_0`` block layout: in each run of 32 inputs, byte ``i`` holds input `
 nibble and input ``i + 16`` in its high one, so a 16-byte load unpacks into two 16-lane vectors.
 A ``"w8a8"`` leaf keeps the float layout ``[K, N]``: ``{"q": int8 [K, N], "scale": float32 [N]}``.
 
-Which leaves are quantized goes by leaf name (:data:`QUANTIZED_WEIGHTS`): embeddings, norms, biases
-and the LM head stay float.
+Which leaves are quantized goes by leaf name (:data:`QUANTIZED_WEIGHTS`); norms, biases and an
+untied LM head stay float. With ``"int8"``/``"int4"`` a tied embedding (``embed``, [V, D], which
+the LM head reads whole for every token) becomes int8 per row, or keeps a GGUF's own blocks: rows
+are dequantized when gathered (:func:`take_rows`).
 """
 from __future__ import annotations
 
@@ -117,6 +119,11 @@ def dequantize(w: dict, dtype=jnp.float32):
     return out.reshape(*lead, n, k).astype(dtype)
 
 
+def take_rows(w: dict, ids, dtype):
+    """Rows ``ids`` of a weight-only leaf, dequantized to ``dtype`` (an embedding lookup)."""
+    return dequantize({key: jnp.take(part, ids, axis=0) for key, part in w.items()}, dtype)
+
+
 def quantize_weight_only(w_kn, quantization: str, group_size: int = 32) -> dict:
     """A float [K, N] params leaf -> its weight-only leaf ([N, K] orientation)."""
     w_nk = np.asarray(jnp.asarray(w_kn, jnp.float32)).T
@@ -189,7 +196,11 @@ def quantize_params(params: dict, quantization: str, group_size: int = 32, repla
 
     layers = [{name: convert(i, name, value) for name, value in layer.items()}
               for i, layer in enumerate(params["layers"])]
-    return {**params, "layers": layers}
+    out = {**params, "layers": layers}
+    if quantization != "w8a8" and "embed" in params and "lm_head" not in params and not isinstance(params["embed"], dict):
+        leaf = replace.get("embed") or quantize_int8(np.asarray(jnp.asarray(params["embed"], jnp.float32)))
+        out["embed"] = {key: jnp.asarray(part) for key, part in leaf.items()}
+    return out
 
 
 def quantize_params_w8a8(params: dict) -> dict:
@@ -228,6 +239,10 @@ def _gguf_leaves(path: str, cfg, quantization: str) -> dict:
 
     state = open_gguf(path).state_dict
     out = {}
+    if cfg.tie_word_embeddings:
+        embed = state.packed("model.embed_tokens.weight")
+        if _same_kind([embed], quantization):
+            out["embed"] = embed
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         parts = {"wqkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
