@@ -11,8 +11,8 @@ the largest logit error relative to the largest float32 logit, the mean absolute
 and how often the argmax (the greedy next token) agrees; per format, the paragraph's perplexity.
 
 Formats: ``float32``; ``bfloat16`` (every weight and the activations); ``int8`` and ``int4``
-(weight-only, quantized from the float32 weights, group 32); ``int4-gguf`` (the GGUF file's own
-4-bit blocks, kept as they are). From a 4-bit GGUF, "float32" is the file dequantized, so
+(weight-only, quantized from the float32 weights, group 32; a tied embedding int8 per row);
+``int4-gguf`` (the GGUF file's own blocks, kept as they are). From a 4-bit GGUF, "float32" is the file dequantized, so
 ``int4-gguf`` differs from it only by the order of float32 additions. Prints a JSON object, then
 a Markdown table.
 """

@@ -197,7 +197,8 @@ def quantize_params(params: dict, quantization: str, group_size: int = 32, repla
     layers = [{name: convert(i, name, value) for name, value in layer.items()}
               for i, layer in enumerate(params["layers"])]
     out = {**params, "layers": layers}
-    if quantization != "w8a8" and "embed" in params and "lm_head" not in params and not isinstance(params["embed"], dict):
+    tied = "embed" in params and "lm_head" not in params
+    if quantization != "w8a8" and tied and not isinstance(params["embed"], dict):
         leaf = replace.get("embed") or quantize_int8(np.asarray(jnp.asarray(params["embed"], jnp.float32)))
         out["embed"] = {key: jnp.asarray(part) for key, part in leaf.items()}
     return out
