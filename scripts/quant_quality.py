@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="alias, .gguf file or directory")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {FORMATS}")
-    parser.add_argument("--output-json", default=None, help="also write the JSON here")
+    parser.add_argument("--output-json", default=None,
+                        help="also write the JSON here (default benchmarks/results/quality-float32-<date>-<commit>.json)")
     return parser
 
 
@@ -130,11 +131,20 @@ def main(argv=None) -> int:
                          "chat": compare(reference[0], chat_logits), "text": compare([reference[1]], [text_logits]),
                          "perplexity": perplexity(text_logits, text)}
         print(f"{name}: done", file=sys.stderr, flush=True)
-    payload = {"model": model.source.path, "chat_prompts": len(chats), "text_tokens": len(text), "formats": results}
+    import datetime
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _bench_common as common
+
+    commit = common.git_commit()
+    payload = {"benchmark": "quality", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "commit": commit, "model": model.source.path, "chat_prompts": len(chats), "text_tokens": len(text),
+               "formats": results}
     print(json.dumps(payload, indent=1))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(payload, f, indent=1)
+    path = args.output_json or os.path.join(common.RESULTS_DIR, common.result_name("quality", "float32", commit=commit)
+                                            + ".json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
     print(table(results))
     return 0
 
