@@ -21,6 +21,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                         help="compute dtype (auto: the checkpoint's where the device computes it natively; "
                              "on a CPU without bf16 dot products, float32)")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                        help="linear-layer weights: int8/int4 weight-only (a 4-bit GGUF keeps its own blocks), "
+                             "or w8a8 (int8 weights and activations); default: the dtype's floats")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output, in tokens (default: the model's limit, lowered to what "
                              "the KV cache holds)")
@@ -43,7 +46,8 @@ def _engine_options(args) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
                 seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
-                tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                quantization=args.quantization)
 
 
 def _join_cluster(args) -> None:

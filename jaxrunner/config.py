@@ -16,7 +16,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (None, "float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "pallas", "jax_tpu", "xla", "native", "reference")
 WARMUP_INPUTS = ("random", "zeros")
-QUANTIZATIONS = (None, "int8")
 
 
 @dataclasses.dataclass
@@ -38,7 +37,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
     warmup_inputs: str = "random"           # random | zeros
-    quantization: str | None = None         # None | "int8" (weights and per-token activations)
+    quantization: str | None = None         # None | "int8" | "int4" (weight-only) | "w8a8" (models/quant.py)
+    quantization_group_size: int = 32       # int4: inputs per scale (32 or 64)
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
             "JAXRUNNER_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner", "xla")))
@@ -55,7 +55,6 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("warmup_inputs", self.warmup_inputs, WARMUP_INPUTS)
-        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         for name, low in (("seed", 0), ("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("min_token_bucket", 1), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):
             setattr(self, name, _check_int(name, getattr(self, name), low))
@@ -67,6 +66,9 @@ class EngineConfig:
         _check_fraction("memory_utilization", self.memory_utilization)
         if self.compilation_cache_dir is not None:
             _check_str("compilation_cache_dir", self.compilation_cache_dir, "a directory path or None")
+        from jaxrunner.models.quant import check_quantization  # the formats live with the quantization code
+
+        check_quantization(self.quantization, self.quantization_group_size)
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"EngineConfig.max_num_seqs ({self.max_num_seqs}) exceeds "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}); valid: "

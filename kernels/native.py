@@ -29,7 +29,7 @@ import numpy as np
 logger = logging.getLogger("jaxrunner")
 
 CPU_DIR = Path(__file__).with_name("cpu")
-SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc")
+SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
@@ -38,6 +38,10 @@ WRITE_SYMBOL = "JaxrunnerCpuWriteKv"
 MATMUL_TARGET_NAME = "jaxrunner_cpu_small_matmul"
 MATMUL_SYMBOL = "JaxrunnerCpuSmallMatmul"
 MATMUL_MAX_ROWS = 4
+QUANT_MATMUL_TARGET_NAME = "jaxrunner_cpu_quant_matmul"
+QUANT_MATMUL_SYMBOL = "JaxrunnerCpuQuantMatmul"
+DEQUANTIZE_TARGET_NAME = "jaxrunner_cpu_dequantize"
+DEQUANTIZE_SYMBOL = "JaxrunnerCpuDequantize"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
 # for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
@@ -119,6 +123,10 @@ def _load() -> None:
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, MATMUL_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, QUANT_MATMUL_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(DEQUANTIZE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, DEQUANTIZE_SYMBOL)),
+                                platform="cpu")
 
 
 @functools.cache
@@ -207,3 +215,53 @@ def small_matmul_native(x, w, *, transposed: bool = False):
     splits = min(MATMUL_K_SPLITS, w.shape[0])
     call = jax.ffi.ffi_call(MATMUL_TARGET_NAME, jax.ShapeDtypeStruct((splits, rows, w.shape[1]), jnp.float32))
     return call(x, w, transposed=np.int64(0)).sum(axis=0)  # XLA fuses the sum into what follows
+
+
+def cpu_features() -> list[str]:
+    """The vector extensions this CPU reports (what ``-march=native`` builds the kernels for)."""
+    flags = set(_cpu_flags().split())
+    return [name for name in ("avx512f", "avx512_vnni", "avx512_bf16", "avx2", "avx_vnni", "fma") if name in flags]
+
+
+def quantized_matmul_supported(x, w: dict) -> bool:
+    """Whether :func:`quantized_matmul_native` takes ``x`` [rows, K] (bf16 or float32) and the
+    weight-only leaf ``w`` (``jaxrunner/models/quant.py``): groups must be whole runs of 32."""
+    packed, scales = w["packed"], w["scales"]
+    if x.ndim != 2 or packed.ndim != 2 or scales.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
+        return False
+    int4 = packed.dtype == jnp.uint8
+    if not int4 and packed.dtype != jnp.int8:
+        return False
+    k, groups = x.shape[1], scales.shape[1]
+    return (x.shape[0] >= 1 and packed.shape[1] * (2 if int4 else 1) == k
+            and scales.shape[0] == packed.shape[0] and k % groups == 0 and (k // groups) % 32 == 0)
+
+
+def quantized_matmul_native(x, w: dict):
+    """``x @ dequantize(w).T`` with a float32 result: the packed weights are read once and
+    unpacked in registers, four outputs at a time for many rows (see ``cpu/quant_matmul.cc``)."""
+    _require()
+    if not quantized_matmul_supported(x, w):
+        raise ValueError(f"the native quantized matmul takes x [rows, K] bf16 or float32 and a "
+                         f"weight-only leaf with groups of whole runs of 32; got x {x.dtype}{list(x.shape)}, "
+                         f"packed {w['packed'].dtype}{list(w['packed'].shape)}, scales {list(w['scales'].shape)}")
+    offsets = w.get("offsets")
+    call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET_NAME,
+                            jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
+    return call(x, w["packed"], w["scales"], jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets,
+                has_offsets=np.int64(offsets is not None))
+
+
+def dequantize_native(w: dict, after=None):
+    """The float32 [N, K] a weight-only leaf stands for, unpacked on all threads (for products
+    that XLA's dot takes; see ``cpu/quant_matmul.cc``). Groups must be whole runs of 32.
+
+    ``after``: an array the call takes but never reads, so that XLA runs it once ``after`` exists
+    (pass the product's activations). Without it, nothing tied the call to its layer, and XLA ran
+    every layer's dequantization at the start of the step, holding all the float weights at once."""
+    _require()
+    packed, offsets = w["packed"], w.get("offsets")
+    k = packed.shape[1] * (2 if packed.dtype == jnp.uint8 else 1)
+    call = jax.ffi.ffi_call(DEQUANTIZE_TARGET_NAME, jax.ShapeDtypeStruct((packed.shape[0], k), jnp.float32))
+    return call(jnp.zeros((1,), jnp.float32) if after is None else after, packed, w["scales"],
+                jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets, has_offsets=np.int64(offsets is not None))

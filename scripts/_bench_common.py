@@ -35,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"model alias, .gguf file or directory (default {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                   help="linear-layer weights (default: float, the dtype)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help="most sequences in one step (default: derived from the workload)")
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
@@ -112,7 +114,7 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
                    enable_chunked_prefill=not args.no_chunked_prefill, attention_impl=args.attention_impl,
                    async_scheduling=not args.no_async_scheduling,
                    seed=args.seed, progress=show_progress(args), tensor_parallel_size=args.tensor_parallel_size,
-                   data_parallel_size=args.data_parallel_size)
+                   data_parallel_size=args.data_parallel_size, quantization=getattr(args, "quantization", None))
     if args.num_pages is not None:
         options["num_pages"] = args.num_pages
     if args.compilation_cache_dir:
@@ -136,7 +138,7 @@ def start_llm(model: str, options: dict):
 def startup_summary(llm) -> dict:
     report = llm.startup_report
     keys = ("load_s", "compile_s_total", "warmup_s", "kv_alloc_s", "bucket_plan", "kv_pages", "kv_tokens",
-            "attention_impl", "max_model_len", "dtype")
+            "attention_impl", "max_model_len", "dtype", "quantization")
     return {k: report.get(k) for k in keys}
 
 
@@ -354,7 +356,9 @@ def result_name(kind: str, dtype: str, *, tensor_parallel_size: int = 1, data_pa
 
 def default_output_json(kind: str, args, commit: str | None = None) -> str:
     """``benchmarks/results/<result_name>.json`` for a run with the engine flags in ``args``."""
-    name = result_name(kind, args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+    quantization = getattr(args, "quantization", None)
+    dtype = f"{args.dtype}-{quantization}" if quantization else args.dtype
+    name = result_name(kind, dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                        data_parallel_size=getattr(args, "data_parallel_size", 1), commit=commit)
     return os.path.join(RESULTS_DIR, name + ".json")
 

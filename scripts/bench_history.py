@@ -71,11 +71,17 @@ def _config_workload(doc: dict) -> str:
     return " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
 
 
+def _dtype_label(engine_config: dict) -> str:
+    """The dtype, with the weight quantization when there is one (``float32-int4``)."""
+    dtype, quantization = engine_config.get("dtype", "?"), engine_config.get("quantization")
+    return f"{dtype}-{quantization}" if quantization else dtype
+
+
 def headline_rows(doc: dict) -> list[dict]:
     """One CSV row per (engine, workload, metric) of a result file's headline figures."""
     engine_config = _engine_config(doc)
     common = {"date": doc.get("date", ""), "commit": doc.get("commit", "unknown"),
-              "benchmark": doc.get("benchmark", "?"), "dtype": engine_config.get("dtype", "?"),
+              "benchmark": doc.get("benchmark", "?"), "dtype": _dtype_label(engine_config),
               "tensor_parallel": engine_config.get("tensor_parallel_size", 1),
               "data_parallel": engine_config.get("data_parallel_size", 1), "machine": machine(doc)}
     rows = []

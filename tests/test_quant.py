@@ -1,4 +1,5 @@
-"""int8 weights + per-token dynamic activation scales: the zero-input hazard and its guard, quality."""
+"""Quantized linear layers: the formats (``models/quant.py``), their refusals, ``"w8a8"``'s
+zero-input guard, and engines serving quantized weights (greedy agreement, no compiles)."""
 from __future__ import annotations
 
 import jax
@@ -6,14 +7,61 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import make_llm, random_prompts, token_ids
+from engine_helpers import count_compilations, make_llm, random_prompts, token_ids
 from jaxrunner import SamplingParams
-from jaxrunner.models.quant import int8_matmul, quantize_activations, quantize_weight
+from jaxrunner.config import EngineConfig
+from jaxrunner.models import quant
+from jaxrunner.models.linear import w8a8_matmul
+from jaxrunner.models.quant import quantize_activations, quantize_w8a8_weight
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_nibbles_round_trip_in_the_q4_0_layout():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (3, 64)).astype(np.uint8)
+    packed = quant.pack_nibbles(q)
+    assert packed.shape == (3, 32) and packed.dtype == np.uint8
+    # byte i of each 32-input run: input i low, input i + 16 high (GGUF Q4_0)
+    assert packed[1, 5] == q[1, 5] | (q[1, 21] << 4) and packed[2, 16 + 3] == q[2, 32 + 3] | (q[2, 48 + 3] << 4)
+    np.testing.assert_array_equal(quant.unpack_nibbles(packed), q)
+    np.testing.assert_array_equal(np.asarray(quant.unpack_nibbles(jnp.asarray(packed))), q)
+
+
+@pytest.mark.parametrize("fmt,group,bound", [("int8", 32, 0.5 / 127), ("int4", 32, 0.5 / 15), ("int4", 64, 0.5 / 15)])
+def test_quantized_weights_are_within_half_a_step(fmt, group, bound):
+    """Every weight dequantizes to within half a quantization step of its group (or channel)."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((128, 48)).astype(np.float32)  # [K, N] as in the params tree
+    leaf = quant.quantize_weight_only(w, fmt, group)
+    back = quant.dequantize(leaf, np.float64)
+    assert back.shape == (48, 128)
+    span = np.abs(w.T).max(axis=1, keepdims=True) if fmt == "int8" else np.repeat(
+        np.ptp(w.T.reshape(48, -1, group), axis=-1), group, axis=1)
+    assert np.all(np.abs(back - w.T) <= bound * span * (2 if fmt == "int8" else 1) + 1e-6)
+    if fmt == "int4":
+        assert leaf["packed"].shape == (48, 64) and leaf["scales"].shape == (48, 128 // group)
+
+
+def test_refusals_name_the_field_and_the_valid_values():
+    with pytest.raises(ValueError, match=r"quantization: must be None or one of \('int8', 'int4', 'w8a8'\)"):
+        EngineConfig(model="x", quantization="int3")
+    with pytest.raises(ValueError, match=r"quantization_group_size: must be one of \(32, 64\)"):
+        EngineConfig(model="x", quantization="int4", quantization_group_size=48)
+    params = {"layers": [{"wo": np.zeros((96, 64), np.float32), "attn_norm": np.ones(64, np.float32)}]}
+    with pytest.raises(ValueError, match=r"quantization_group_size: int4 needs the input size of wo \(96\) "
+                                         r"to be a multiple of the group size 64"):
+        quant.quantize_params(params, "int4", 64)
+    assert quant.is_weight_only(quant.quantize_params(params, "int4", 32)["layers"][0]["wo"])
+
+
+# ----------------------------------------------------------------------------- w8a8
 
 
 def test_zero_activations_unguarded_give_nan_guarded_give_zeros():
     x = jnp.zeros((4, 32), jnp.float32)
-    w = quantize_weight(jax.random.normal(jax.random.key(0), (32, 16)))
+    w = quantize_w8a8_weight(jax.random.normal(jax.random.key(0), (32, 16)))
     _, scale_raw = quantize_activations(x, guard=False)
     assert float(scale_raw.max()) == 0.0  # what a zero dummy batch produces
     # Unguarded, the quantizer computes 0/0 = NaN and casts it to int8: undefined behaviour that
@@ -21,41 +69,65 @@ def test_zero_activations_unguarded_give_nan_guarded_give_zeros():
     assert np.isnan(np.asarray(x / scale_raw)).all()
     _, scale = quantize_activations(x)
     assert float(scale.min()) > 0.0
-    assert np.all(np.asarray(int8_matmul(x, w)) == 0.0)
+    assert np.all(np.asarray(w8a8_matmul(x, w)) == 0.0)
 
 
-def test_int8_matmul_close_to_float():
+def test_w8a8_matmul_close_to_float():
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (8, 256))
     w = jax.random.normal(kw, (256, 64)) * 0.05
     exact = np.asarray(x @ w)
-    approx = np.asarray(int8_matmul(x, quantize_weight(w)))
+    approx = np.asarray(w8a8_matmul(x, quantize_w8a8_weight(w)))
     assert np.max(np.abs(approx - exact)) / np.max(np.abs(exact)) < 0.03
 
 
-@pytest.mark.parametrize("warmup_inputs", ["random", "zeros"])
-def test_int8_engine_serves_finite_outputs(tiny_checkpoints, warmup_inputs):
-    llm = make_llm(tiny_checkpoints["llama"], quantization="int8", warmup_inputs=warmup_inputs)
+# ----------------------------------------------------------------------------- engines
+
+
+def _greedy(llm, prompts, n=6):
+    return token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def float_tokens(tiny_checkpoints):
     prompts = random_prompts(6, 512, 3, 30, seed=2)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
-    for out in outputs:
-        assert len(out.outputs[0].token_ids) >= 1
-        assert np.isfinite(out.outputs[0].cumulative_logprob)
-    f32 = make_llm(tiny_checkpoints["llama"])
-    agree = np.mean([a[0] == b[0] for a, b in zip(token_ids(outputs), token_ids(f32.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)))])
-    assert agree >= 0.5  # first greedy token mostly survives int8 on a random model
+    return prompts, _greedy(make_llm(tiny_checkpoints["llama"]), prompts)
 
 
-def test_one_row_16bit_matmul_is_padded_and_exact():
-    """A 1-row bf16 matmul (batch-1 decode) goes through the padded 4-row dot on CPU; the result
-    has the caller's row count and equals the float32 product of the same bf16 values."""
-    from jaxrunner.models.quant import matmul_f32_acc
+@pytest.mark.parametrize("quantization,min_agreement", [("int8", 0.9), ("int4", 0.5), ("w8a8", 0.5)])
+def test_quantized_engine_agrees_with_float_and_never_compiles_while_serving(
+        tiny_checkpoints, float_tokens, quantization, min_agreement):
+    prompts, exact = float_tokens
+    llm = make_llm(tiny_checkpoints["llama"], quantization=quantization)
+    layer = llm.engine.model.params["layers"][0]
+    assert quant.is_weight_only(layer["w_down"]) == (quantization != "w8a8")
+    with count_compilations() as compiles:
+        got = _greedy(llm, prompts)
+        _greedy(llm, prompts[:1])  # a one-sequence decode: the native kernel's few-row path
+    assert compiles == []
+    first = np.mean([a[0] == b[0] for a, b in zip(got, exact)])
+    every = np.mean([np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(got, exact)])
+    assert first >= min_agreement, (first, every)
 
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
-    out = jax.jit(lambda x, w: matmul_f32_acc(x, w, contract=(-1, 1)))(x, w)
-    assert out.shape == (1, 96) and out.dtype == jnp.float32
-    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+def test_zero_warmup_inputs_serve_finite_w8a8_outputs(tiny_checkpoints):
+    llm = make_llm(tiny_checkpoints["llama"], quantization="w8a8", warmup_inputs="zeros")
+    out = llm.generate(random_prompts(2, 512, 3, 10, seed=3), SamplingParams(temperature=0, max_tokens=4, logprobs=1),
+                       use_tqdm=False)
+    assert all(np.isfinite(o.outputs[0].cumulative_logprob) for o in out)
+
+
+def test_tied_embedding_is_quantized_and_serves(tmp_path):
+    """A tied embedding (the LM head every token reads whole) becomes int8 per row under the
+    weight-only formats: lookups dequantize their rows, the logits come from the packed table."""
+    from conftest import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "tied", "llama", tied=True)
+    prompts = random_prompts(4, 512, 3, 20, seed=4)
+    exact = _greedy(make_llm(path), prompts)
+    llm = make_llm(path, quantization="int8")
+    assert quant.is_weight_only(llm.engine.model.params["embed"])
+    with count_compilations() as compiles:
+        got = _greedy(llm, prompts)
+    assert compiles == []
+    assert np.mean([a[0] == b[0] for a, b in zip(got, exact)]) >= 0.75

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrunner.kernels import native
-from jaxrunner.models import quant
+from jaxrunner.models import linear as quant_linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
@@ -93,14 +93,14 @@ def test_model_routes_one_row_products_only():
     rng = np.random.default_rng(1)
     w, embed = _normal(rng, (64, 96)), _normal(rng, (256, 64))
     one, four = _normal(rng, (1, 64)), _normal(rng, (4, 64))
-    assert _native_calls(quant.matmul_f32_acc, one, w) == 1
-    assert _native_calls(lambda x, e: quant.matmul_f32_acc(x, e, contract=(-1, 1)), one, embed) == 1
-    assert _native_calls(quant.matmul_f32_acc, four, w) == 0
-    assert _native_calls(quant.matmul_f32_acc, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
-    assert _native_calls(quant.linear_f32, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
-    assert _native_calls(quant.linear_f32, one.astype(jnp.float32), w) == 0
+    assert _native_calls(quant_linear.matmul_f32_acc, one, w) == 1
+    assert _native_calls(lambda x, e: quant_linear.matmul_f32_acc(x, e, contract=(-1, 1)), one, embed) == 1
+    assert _native_calls(quant_linear.matmul_f32_acc, four, w) == 0
+    assert _native_calls(quant_linear.matmul_f32_acc, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
+    assert _native_calls(quant_linear.linear_f32, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
+    assert _native_calls(quant_linear.linear_f32, one.astype(jnp.float32), w) == 0
     for x, weights, contract in ((one, w, (-1, 0)), (one, embed, (-1, 1)), (one.astype(jnp.float32), w.astype(jnp.float32), (-1, 0))):
-        got = quant.matmul_f32_acc(x, weights, contract=contract)
+        got = quant_linear.matmul_f32_acc(x, weights, contract=contract)
         want = jax.lax.dot_general(x.astype(jnp.float32), weights.astype(jnp.float32),
                                    (((1,), (contract[1] % 2,)), ((), ())), precision="highest")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

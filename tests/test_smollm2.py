@@ -66,7 +66,7 @@ def test_int8_quality_against_float32_on_the_real_model(smollm2):
 
     from jaxrunner.models import llama
     from jaxrunner.models.attention import DenseAttention
-    from jaxrunner.models.quant import quantize_params_int8
+    from jaxrunner.models.quant import quantize_params_w8a8
 
     model = smollm2.engine.model
     cfg = model.config
@@ -77,7 +77,7 @@ def test_int8_quality_against_float32_on_the_real_model(smollm2):
                                   jnp.zeros(len(ids), jnp.int32), DenseAttention())
         return np.asarray(llama.compute_logits(params, cfg, hidden))
 
-    exact, quantized = logits(model.params), logits(quantize_params_int8(model.params))
+    exact, quantized = logits(model.params), logits(quantize_params_w8a8(model.params))
     relative_error = np.max(np.abs(quantized - exact)) / np.max(np.abs(exact))
     agreement = np.mean(np.argmax(quantized, -1) == np.argmax(exact, -1))
     print(f"int8 vs float32 on SmolLM2: max relative logit error {relative_error:.4f}, "

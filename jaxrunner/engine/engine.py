@@ -31,7 +31,7 @@ from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
 from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
-from jaxrunner.models.quant import quantize_params_int8
+from jaxrunner.models.quant import quantize_model
 from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner import weights
@@ -113,8 +113,8 @@ class LLMEngine:
                 meshes.check_device_count(config.tensor_parallel_size, 1)
                 mesh = meshes.build_mesh(config.tensor_parallel_size, 1)
             model = load_model(config.model, config.dtype, progress=config.progress, mesh=mesh)
-        if config.quantization == "int8":
-            model = dataclasses.replace(model, params=quantize_params_int8(model.params))
+        if config.quantization is not None:
+            model = quantize_model(model, config.quantization, config.quantization_group_size)
         self.model = model
         self.tokenizer = self.model.tokenizer
         self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, self.model)

@@ -19,7 +19,8 @@ from jaxrunner.models import registry
 from jaxrunner.models.config import (ModelConfig, UnsupportedModelError, check_activation, common_fields,
                                      rope_scaling)
 from jaxrunner.models.params import build_decoder_params, decoder_shapes, group_qkv, take
-from jaxrunner.models.quant import linear, linear_f32, matmul_f32_acc
+from jaxrunner.models import quant
+from jaxrunner.models.linear import linear, linear_f32, matmul_f32_acc, weight_only_matmul
 from jaxrunner.parallel import sharding
 
 
@@ -152,7 +153,7 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     row, and a third result holds all rows' final hidden states [T, D] (zeros when it does not) —
     what prompt logprobs need, paid only by the steps that ask for them.
     """
-    x = jnp.take(params["embed"], token_ids, axis=0)
+    x = embedding_rows(params, token_ids)
     cos, sin = rope_tables(cfg, positions)
     new_cache = []
     last = len(params["layers"]) - 1
@@ -170,9 +171,19 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     return hidden, new_cache, rms_norm(every_row, params["final_norm"], cfg.rms_norm_eps)
 
 
+def embedding_rows(params, token_ids) -> jax.Array:
+    """The embedding rows of ``token_ids``, in the model's float dtype (a quantized embedding's
+    gathered rows are dequantized)."""
+    if quant.is_weight_only(params["embed"]):
+        return quant.take_rows(params["embed"], token_ids, params["final_norm"].dtype)
+    return jnp.take(params["embed"], token_ids, axis=0)
+
+
 def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Float32 logits [N, V] for the hidden rows that are sampled (not every prefill token)."""
     if cfg.tie_word_embeddings:
+        if quant.is_weight_only(params["embed"]):  # [V, D] is the [N, K] orientation already
+            return weight_only_matmul(hidden, params["embed"])
         return matmul_f32_acc(hidden, params["embed"], contract=(-1, 1))
     return matmul_f32_acc(hidden, params["lm_head"])
 
@@ -290,4 +301,5 @@ FAMILY = registry.register(registry.ModelFamily(
     partition_rules=partition_rules,
     quantized_leaves=QUANTIZED_LEAVES,
     kv_grouped_leaves=KV_GROUPED_LEAVES,
+    quantized_embedding=True,
 ))

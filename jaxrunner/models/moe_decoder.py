@@ -20,7 +20,7 @@ from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
 from jaxrunner.models.llama import compute_logits, rms_norm, rope_tables
 from jaxrunner.models.params import decoder_shapes, take
-from jaxrunner.models.quant import linear
+from jaxrunner.models.linear import linear
 from jaxrunner.parallel import sharding
 from jaxrunner.parallel.mesh import MODEL_AXIS
 

@@ -1,22 +1,141 @@
-"""Weight-and-activation int8 for the linear layers (``quantization="int8"``).
+"""Quantization of the linear layers' weights: the formats, packing and unpacking, and turning a
+float params tree into a quantized one. The products themselves are in ``models/linear.py``.
 
-Weights: per-output-channel symmetric int8 (scale = max|w| / 127 over the input dim).
-Activations: per-token dynamic scales computed from the data at every step (scale = max|x| / 127
-over the hidden dim). This is the data-dependent path that warm-up must exercise with real-looking
-inputs: on an all-zero row the raw scale is 0 and ``x / scale`` is 0/0 = NaN, so the scale is
-guarded with a floor (``MIN_ACTIVATION_SCALE``) and a zero row quantizes to exact zeros.
+Formats (``EngineConfig.quantization``):
+
+- ``"int8"``: weight-only. Each output channel (or, from a GGUF ``Q8_0``, each group of 32 inputs
+  of it) has a symmetric scale: ``w = scale * q``, ``q`` int8. Activations stay float (bf16 or
+  float32) and products accumulate in float32.
+- ``"int4"``: weight-only, group-wise along the input dimension (``group_size`` 32 or 64):
+  ``w = scale * q + offset`` with ``q`` in 0..15. From float weights the scale and offset span each
+  group's min..max; from a GGUF's ``Q4_0``/``Q4_1``/``Q4_K`` they are the file's own (exact).
+- ``"w8a8"``: int8 weights and per-token dynamic int8 activations (what ``"int8"`` meant before
+  weight-only int8 existed): see :func:`quantize_w8a8_weight`.
+
+A weight-only leaf is a dict, in the torch ``[out, in]`` = ``[N, K]`` orientation (each output's
+groups contiguous, as in a GGUF block)::
+
+    {"packed": int8 [N, K] | uint8 [N, K/2], "scales": float32 [N, G], "offsets": float32 [N, G]}
+
+``offsets`` only for int4; ``G = K / group_size`` (1 for per-channel int8). int4 nibbles follow
+GGUF's ``Q4_0`` block layout: in each run of 32 inputs, byte ``i`` holds input ``i`` in its low
+nibble and input ``i + 16`` in its high one, so a 16-byte load unpacks into two 16-lane vectors.
+A ``"w8a8"`` leaf keeps the float layout ``[K, N]``: ``{"q": int8 [K, N], "scale": float32 [N]}``.
+
+Which leaves are quantized goes by leaf name (:data:`QUANTIZED_WEIGHTS`); norms, biases and an
+untied LM head stay float. With ``"int8"``/``"int4"`` a tied embedding (``embed``, [V, D], which
+the LM head reads whole for every token) becomes int8 per row, or keeps a GGUF's own blocks: rows
+are dequantized when gathered (:func:`take_rows`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MIN_ACTIVATION_SCALE = 1e-12
 QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
+GROUP_SIZES = (32, 64)
+NIBBLE_RUN = 32  # inputs per run of 16 bytes in the int4 layout
 
 
-def quantize_weight(w: jax.Array) -> dict[str, jax.Array]:
-    """[in, out] float weight -> {"q": int8 [in, out], "scale": float32 [out]}."""
+# ----------------------------------------------------------------------------- weight-only
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"quantization_group_size: must be one of {GROUP_SIZES}, got {group_size!r}")
+
+
+def check_int4_shape(k: int, group_size: int, name: str = "weight") -> None:
+    """int4 groups must tile each row: ``K`` a multiple of the group size (and of 32)."""
+    check_group_size(group_size)
+    if k % group_size:
+        raise ValueError(f"quantization_group_size: int4 needs the input size of {name} ({k}) to be a "
+                         f"multiple of the group size {group_size} (valid group sizes: {GROUP_SIZES})")
+
+
+def is_weight_only(w) -> bool:
+    return isinstance(w, dict) and "packed" in w
+
+
+def is_int4(w) -> bool:
+    return is_weight_only(w) and w["packed"].dtype == np.uint8
+
+
+def in_features(w) -> int:
+    """K of a weight-only leaf."""
+    return w["packed"].shape[-1] * (2 if is_int4(w) else 1)
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """[N, K] values 0..15 -> [N, K/2] uint8 in the GGUF ``Q4_0`` order (see module docstring)."""
+    n, k = q.shape
+    runs = q.astype(np.uint8).reshape(n, k // NIBBLE_RUN, 2, NIBBLE_RUN // 2)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_nibbles(packed):
+    """[..., N, K/2] uint8 -> [..., N, K] values 0..15 (numpy or jax, whichever it is given)."""
+    xp = jnp if isinstance(packed, jax.Array) else np
+    *lead, n, half = packed.shape
+    runs = packed.reshape(*lead, n, half // 16, 1, 16)
+    both = xp.concatenate([runs & 15, runs >> 4], axis=-2)
+    return both.reshape(*lead, n, half * 2)
+
+
+def quantize_int8(w_nk: np.ndarray) -> dict:
+    """[N, K] float -> per-output-channel symmetric int8 (scale = max|w| / 127 over K)."""
+    w = np.asarray(w_nk, np.float32)
+    scale = np.max(np.abs(w), axis=1, keepdims=True) / 127.0
+    q = np.round(w / np.where(scale > 0, scale, 1.0))
+    return {"packed": np.clip(q, -127, 127).astype(np.int8), "scales": scale.astype(np.float32)}
+
+
+def quantize_int4(w_nk: np.ndarray, group_size: int = 32) -> dict:
+    """[N, K] float -> int4 groups spanning each group's min..max (``Q4_1``-like, asymmetric)."""
+    w = np.asarray(w_nk, np.float32)
+    n, k = w.shape
+    check_int4_shape(k, group_size)
+    groups = w.reshape(n, k // group_size, group_size)
+    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
+    scale = (hi - lo) / 15.0
+    q = np.round((groups - lo[..., None]) / np.where(scale > 0, scale, 1.0)[..., None])
+    q = np.clip(q, 0, 15).reshape(n, k)
+    return {"packed": pack_nibbles(q), "scales": scale.astype(np.float32), "offsets": lo.astype(np.float32)}
+
+
+def dequantize(w: dict, dtype=jnp.float32):
+    """A weight-only leaf -> the float [N, K] it stands for (numpy in, numpy out; jax likewise)."""
+    xp = jnp if isinstance(w["packed"], jax.Array) else np
+    q = unpack_nibbles(w["packed"]) if is_int4(w) else w["packed"]
+    *lead, n, k = q.shape
+    groups = w["scales"].shape[-1]
+    q = q.astype(xp.float32).reshape(*lead, n, groups, k // groups)
+    out = q * w["scales"][..., None]
+    if "offsets" in w:
+        out = out + w["offsets"][..., None]
+    return out.reshape(*lead, n, k).astype(dtype)
+
+
+def take_rows(w: dict, ids, dtype):
+    """Rows ``ids`` of a weight-only leaf, dequantized to ``dtype`` (an embedding lookup)."""
+    return dequantize({key: jnp.take(part, ids, axis=0) for key, part in w.items()}, dtype)
+
+
+def quantize_weight_only(w_kn, quantization: str, group_size: int = 32) -> dict:
+    """A float [K, N] params leaf -> its weight-only leaf ([N, K] orientation)."""
+    w_nk = np.asarray(jnp.asarray(w_kn, jnp.float32)).T
+    return quantize_int8(w_nk) if quantization == "int8" else quantize_int4(w_nk, group_size)
+
+
+# ----------------------------------------------------------------------------- w8a8
+
+
+def quantize_w8a8_weight(w: jax.Array) -> dict[str, jax.Array]:
+    """[in, out] float weight -> {"q": int8 [in, out], "scale": float32 [out]}; paired at run time
+    with per-token dynamic activation scales (:func:`quantize_activations`)."""
     w32 = w.astype(jnp.float32)
     scale = jnp.max(jnp.abs(w32), axis=0) / 127.0
     q = jnp.round(w32 / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
@@ -24,7 +143,12 @@ def quantize_weight(w: jax.Array) -> dict[str, jax.Array]:
 
 
 def quantize_activations(x: jax.Array, guard: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Per-token int8 activations and their scales; ``guard=False`` shows the unguarded 0/0."""
+    """Per-token int8 activations and their scales (scale = max|x| / 127 over the hidden dim).
+
+    This is the data-dependent path that warm-up must exercise with real-looking inputs: on an
+    all-zero row the raw scale is 0 and ``x / scale`` is 0/0 = NaN, so the scale is guarded with a
+    floor (``MIN_ACTIVATION_SCALE``) and a zero row quantizes to exact zeros; ``guard=False``
+    shows the unguarded 0/0."""
     x32 = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / 127.0
     if guard:
@@ -32,78 +156,123 @@ def quantize_activations(x: jax.Array, guard: bool = True) -> tuple[jax.Array, j
     return jnp.round(x32 / scale).astype(jnp.int8), scale
 
 
-def int8_matmul(x: jax.Array, w: dict[str, jax.Array], guard: bool = True) -> jax.Array:
-    x_q, x_scale = quantize_activations(x, guard)
-    acc = jax.lax.dot_general(x_q, w["q"], (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-    return (acc.astype(jnp.float32) * x_scale * w["scale"]).astype(x.dtype)
+# ----------------------------------------------------------------------------- params trees
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """``x @ w`` in ``x``'s dtype: :func:`linear_f32` rounded back."""
-    return linear_f32(x, w).astype(x.dtype)
+def check_quantization(quantization, group_size: int = 32) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    check_group_size(group_size)
 
 
-def linear_f32(x: jax.Array, w) -> jax.Array:
-    """``x @ w`` with a float32 result: the int8 path for a quantized weight, float32 accumulation
-    for 16-bit operands, kept unrounded for the float32 math that follows (activation, RoPE).
-
-    16-bit operands accumulate in float32 (``preferred_element_type``), as transformers does, and
-    on XLA:CPU that is also the fast path: measured [64, 576] x [576, 3072] bf16 -> f32 at 302
-    GFLOP/s against 130 for a bf16 result and 152 for float32 operands (AVX512-BF16 here; no AMX).
-    Float32 operands take the same route, so that one-row products reach the native kernel.
-    """
-    if isinstance(w, dict):
-        return int8_matmul(x, w).astype(jnp.float32)
-    return matmul_f32_acc(x, w)
+def check_params_quantizable(params: dict, quantization: str, group_size: int = 32) -> None:
+    """Refuse, before any work, a tree whose leaves cannot take ``quantization``."""
+    if quantization != "int4":
+        return
+    for name, value in params["layers"][0].items():
+        if name in QUANTIZED_WEIGHTS and not isinstance(value, dict):
+            check_int4_shape(value.shape[0], group_size, name)
 
 
-MIN_16BIT_ROWS = 4  # XLA:CPU's one-row 16-bit dot (a GEMV) is far slower than a 4-row one
-NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured slower than XLA at 4)
+def quantize_params(params: dict, quantization: str, group_size: int = 32, replace: dict | None = None,
+                    leaves: tuple[str, ...] = QUANTIZED_WEIGHTS, embedding: bool = True) -> dict:
+    """Quantize every linear layer's weight (the layer ``leaves``; a model family's
+    ``quantized_leaves``), and with ``embedding`` a tied embedding too (weight-only formats).
+
+    ``replace``: {(layer index, leaf name): weight-only leaf} taken as they are instead (a GGUF's
+    own quantized blocks). New leaves are on the default device; a sharded engine places the tree
+    again (``parallel.sharding.param_shardings`` knows these leaves)."""
+    check_quantization(quantization, group_size)
+    check_params_quantizable(params, quantization, group_size)
+    replace = replace or {}
+
+    def convert(i, name, value):
+        if name not in leaves:
+            return value
+        if quantization == "w8a8":
+            return quantize_w8a8_weight(value)
+        leaf = replace.get((i, name))
+        if leaf is None:
+            leaf = quantize_weight_only(value, quantization, group_size)
+        return {key: jnp.asarray(part) for key, part in leaf.items()}
+
+    layers = [{name: convert(i, name, value) for name, value in layer.items()}
+              for i, layer in enumerate(params["layers"])]
+    out = {**params, "layers": layers}
+    tied = "embed" in params and "lm_head" not in params
+    if embedding and quantization != "w8a8" and tied and not isinstance(params["embed"], dict):
+        leaf = replace.get("embed") or quantize_int8(np.asarray(jnp.asarray(params["embed"], jnp.float32)))
+        out["embed"] = {key: jnp.asarray(part) for key, part in leaf.items()}
+    return out
 
 
-def matmul_f32_acc(x: jax.Array, w: jax.Array, contract: tuple[int, int] = (-1, 0)) -> jax.Array:
-    """``x`` [rows, ...] contracted with ``w`` over (x's ``contract[0]``, w's ``contract[1]``),
-    float32 result.
-
-    On one CPU device a one-row ``x`` and ``w``, both bf16 or both float32, go to the native kernel
-    (``jaxrunner.kernels.native.small_matmul_native``), which streams each weight once: a batch-1
-    decode reads every weight per token. XLA:CPU read bf16 weights at ~9 GB/s against ~22 for the
-    kernel on the largest projection ([576, 3072]: 398 vs 160 us per call), and float32 ones at
-    ~19 GB/s over a token (batch-1 float32 TPOT 28.7 -> 23.8-25.7 ms through the kernel, medians of
-    alternating runs). Other 16-bit ``x`` with fewer than ``MIN_16BIT_ROWS`` rows are padded to that
-    many: XLA:CPU routes a one-row bf16 dot to a GEMV that measured 9x slower than the same dot with
-    four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms)."""
-    dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
-    native_layout = _native_matmul_layout(x, w, dims)
-    if native_layout is not None:
-        from jaxrunner.kernels import native
-        return native.small_matmul_native(x, w, transposed=native_layout)
-    rows = x.shape[0]
-    pad = (x.ndim == 2 and dims[0][0][0] == 1 and rows < MIN_16BIT_ROWS and x.dtype != jnp.float32
-           and jax.default_backend() == "cpu")
-    if pad:
-        x = jnp.pad(x, ((0, MIN_16BIT_ROWS - rows), (0, 0)))
-    out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-    return out[:rows] if pad else out
+def quantize_params_w8a8(params: dict) -> dict:
+    return quantize_params(params, "w8a8")
 
 
-def _native_matmul_layout(x, w, dims) -> bool | None:
-    """Whether ``w`` is [N, K] (True) or [K, N] (False) when the native CPU matmul takes this
-    product; None when it does not (other backends, sharded runs over several devices, shapes,
-    dtypes, or no C++ compiler)."""
-    if x.ndim != 2 or w.ndim != 2 or dims[0][0] != (1,) or x.shape[0] > NATIVE_MATMUL_ROWS:
-        return None
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return None
-    from jaxrunner.kernels import native
-    transposed = dims[0][1] == (1,)
-    if not native.small_matmul_supported(x, w, transposed) or not native.available():
-        return None
-    return transposed
+# ----------------------------------------------------------------------------- a loaded model
 
 
-def quantize_params_int8(params: dict) -> dict:
-    """Quantize every linear layer's weight; embeddings, norms and the LM head stay as they are."""
-    layers = [{name: quantize_weight(value) if name in QUANTIZED_WEIGHTS else value for name, value in layer.items()}
-              for layer in params["layers"]]
-    return {**params, "layers": layers}
+def quantize_model(model, quantization: str, group_size: int = 32):
+    """A ``LoadedModel`` with its linear layers quantized (a new one; ``model`` is not changed).
+
+    From a GGUF, the weight-only formats take the file's own ``Q4_0``/``Q4_1``/``Q4_K``/``Q8_0``
+    blocks as they are (``loading/gguf_blocks.py``; int4 from the file keeps its group of 32,
+    and a ``Q8_0`` tensor stays int8 group 32 under ``"int4"``); other tensors are quantized from
+    float. A sharded model is placed again by ``parallel.sharding``."""
+    import dataclasses
+
+    check_quantization(quantization, group_size)
+    check_params_quantizable(model.params, quantization, group_size)
+    replace = {}
+    if quantization != "w8a8" and model.source.kind == "gguf" and model.kv_head_replication == 1:
+        replace = _gguf_leaves(model.source.path, model.config, quantization)
+    from jaxrunner.models import registry
+
+    family = registry.family_for_config(model.config)
+    params = quantize_params(model.params, quantization, group_size, replace, family.quantized_leaves,
+                             family.quantized_embedding)
+    if model.mesh is not None and model.mesh.devices.size > 1:
+        from jaxrunner.parallel import sharding
+        params = jax.device_put(params, sharding.param_shardings(params, model.mesh, model.config))
+    return dataclasses.replace(model, params=params)
+
+
+def _gguf_leaves(path: str, cfg, quantization: str) -> dict:
+    """{(layer, leaf name): weight-only leaf} for every fused leaf whose GGUF parts all have an
+    exact packed form of one kind that ``quantization`` takes (int8 takes only int8 blocks)."""
+    from jaxrunner.models.loading.gguf import open_gguf
+    from jaxrunner.models.params import group_qkv
+
+    state = open_gguf(path).state_dict
+    out = {}
+    if cfg.tie_word_embeddings:
+        embed = state.packed("model.embed_tokens.weight")
+        if _same_kind([embed], quantization):
+            out["embed"] = embed
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        parts = {"wqkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                 "wo": ["self_attn.o_proj"], "w_gate_up": ["mlp.gate_proj", "mlp.up_proj"],
+                 "w_down": ["mlp.down_proj"]}
+        for name, hf_names in parts.items():
+            leaves = [state.packed(p + hf + ".weight") for hf in hf_names]
+            if not _same_kind(leaves, quantization):
+                continue
+            if name == "wqkv":
+                out[i, name] = {key: group_qkv(*(leaf[key] for leaf in leaves), cfg) for key in leaves[0]}
+            elif name == "w_gate_up":  # rows interleaved gate, up (see models/params.py)
+                out[i, name] = {key: np.stack([leaf[key] for leaf in leaves], axis=1).reshape(
+                    -1, leaves[0][key].shape[1]) for key in leaves[0]}
+            else:
+                out[i, name] = leaves[0]
+    return out
+
+
+def _same_kind(leaves: list, quantization: str) -> bool:
+    if any(leaf is None for leaf in leaves):
+        return False
+    kinds = {(leaf["packed"].dtype, leaf["scales"].shape[1], tuple(sorted(leaf))) for leaf in leaves}
+    if len(kinds) != 1:
+        return False
+    return quantization == "int4" or leaves[0]["packed"].dtype == np.int8

@@ -37,6 +37,8 @@ class ModelFamily:
     - ``partition_rules(cfg, tp)``: leaf name → ``PartitionSpec`` of its float weight, for every
       leaf name the family has (an unknown name is an error in ``parallel.sharding``).
     - ``quantized_leaves``: the layer leaves (``[in, out]`` matrices) int8 quantization replaces.
+    - ``quantized_embedding``: whether weight-only quantization may also quantize a tied
+      embedding (the family's embedding lookup and logits then take the packed rows).
     - ``kv_grouped_leaves``: layer leaves whose last dimension is laid out by KV-head group
       (``models.params.group_qkv``); they are regrouped when KV heads are replicated for tensor
       parallelism.
@@ -52,6 +54,7 @@ class ModelFamily:
     partition_rules: Callable[[ModelConfig, int], Mapping[str, Any]]
     quantized_leaves: tuple[str, ...]
     kv_grouped_leaves: tuple[str, ...] = ()
+    quantized_embedding: bool = False  # its forward reads a weight-only tied embedding (int8 rows)
 
 
 _BY_ARCHITECTURE: dict[str, ModelFamily] = {}

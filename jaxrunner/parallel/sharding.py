@@ -58,9 +58,19 @@ def _without_input_dim(spec: P) -> P:
 
 # A quantized weight is a dict of parts; each part's spec derived from the float weight's [in, out]
 # spec. A quantization format whose parts are not listed here cannot be sharded (an error).
+def _weight_only_part(spec: P) -> P:
+    """Weight-only parts are [out, in-derived]: the output dim takes the float weight's output
+    axis; the packed input dim is never split (row-parallel weights stay whole on every shard)."""
+    out_axis = spec[-1] if len(spec) >= 1 else None
+    return P(out_axis, None) if out_axis is not None else REPLICATED
+
+
 QUANTIZED_PART_SPECS = {
-    "q": lambda spec: spec,               # int8 [in, out], laid out as the float weight
-    "scale": _without_input_dim,          # one per output column: the input dim reduced
+    "q": lambda spec: spec,               # w8a8: int8 [in, out], laid out as the float weight
+    "scale": _without_input_dim,          # w8a8: one per output column, the input dim reduced
+    "packed": _weight_only_part,          # int8/int4 weight-only (models/quant.py): [out, in] bytes
+    "scales": _weight_only_part,          # [out, groups]
+    "offsets": _weight_only_part,         # [out, groups]
 }
 
 

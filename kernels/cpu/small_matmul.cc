@@ -13,7 +13,7 @@
 // its rows were prefetched into L2: four 57 MB tables, 3.3-5.1 ms before); float32 [576, 576]
 // 84 -> 61 us, [1536, 576] 137 -> 105, [576, 3072] 209 -> 212, LM head 5.0 -> 4.2 ms. With four
 // rows this kernel was no faster than XLA, so the model routes only one-row products here
-// (jaxrunner/models/quant.py).
+// (jaxrunner/models/linear.py).
 //
 // Products of two bf16 values are exact in float32 and sums are float32, as in XLA's
 // bf16 x bf16 -> f32 dot; only the order of the additions differs (float32 likewise).

@@ -445,6 +445,19 @@ class DequantizedTensors(Mapping):
             w = unpermute_qk(w, self._qk_heads[hf_name])
         return np.ascontiguousarray(w)
 
+    def packed(self, hf_name: str) -> dict | None:
+        """``hf_name``'s weight-only leaf ([out, in], numpy; ``models/quant.py``) read from the
+        file's quantized blocks without dequantizing (see ``gguf_blocks``), or None when its
+        GGML type has no exact packed form (F32, F16, Q5_*, Q6_K, ...)."""
+        from jaxrunner.models.loading.gguf_blocks import weight_only_leaf
+
+        t = self._tensors[self._names[hf_name]]
+        rows = self._shapes[hf_name][0]
+        leaf = weight_only_leaf(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1))
+        if leaf is not None and hf_name in self._qk_heads:
+            leaf = {key: unpermute_qk(part, self._qk_heads[hf_name]) for key, part in leaf.items()}
+        return leaf
+
     def __contains__(self, hf_name) -> bool:  # Mapping's default would dequantize the tensor
         return hf_name in self._names
 

@@ -1,0 +1,293 @@
+// Weight-only quantized matmul with few rows for XLA:CPU, as an XLA FFI custom call:
+// y [M, N] float32 = x [M, K] . W^T, any M >= 1, x float32 or bfloat16, W [N, K] quantized as
+// jaxrunner/models/quant.py describes: int8 (`packed` int8 [N, K]) or int4 (`packed` uint8
+// [N, K/2], two inputs per byte in GGUF's Q4_0 order), with float32 `scales` [N, G] and, for
+// int4, `offsets` [N, G]: w[n, k] = scales[n, g] * q[n, k] + offsets[n, g], g = k / (K / G).
+//
+// Why: a batch-1 decode reads every weight once per token, so its time is the bytes it reads.
+// Here the packed bytes are read once, in the order they lie in memory, and unpacked to float32
+// in registers; nothing the size of the float weight is ever written. Per group, the codes'
+// products with x accumulate in float32 and are scaled once; the offsets contribute
+// offset * sum(x over the group), with the sums computed once per call.
+//
+// Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
+// same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+#include "work_queue.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace jaxrunner_cpu;
+
+constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
+constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
+constexpr int64_t kOutputsPerItem = 32;
+
+typedef uint8_t B16 __attribute__((vector_size(16)));
+
+// 16 bytes (0..255) -> 16 floats. Spelled out per instruction set: GCC 12 turned the generic
+// __builtin_convertvector of 16 bytes into per-element scalar conversions, and on AVX2 into half
+// scalar code, which made the kernel compute-bound.
+inline F16 Widen(B16 b) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i&>(b)));
+  return reinterpret_cast<const F16&>(f);
+#elif defined(__AVX2__)
+  const __m128i v = reinterpret_cast<__m128i&>(b);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+  F16 out;
+  std::memcpy(&out, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+  return out;
+#else
+  return __builtin_convertvector(__builtin_convertvector(b, I16), F16);
+#endif
+}
+
+struct Problem {
+  int64_t rows, k, n, groups;
+  const float* x;        // [rows, k] float32
+  const float* xsum;     // [rows, groups] sum of x over each group
+  const void* packed;    // [n, k/2] uint8 or [n, k] int8
+  const float* scales;   // [n, groups]
+  const float* offsets;  // [n, groups] or null
+  float* y;              // [rows, n]
+};
+
+// The 32 weights of one run as two 16-float vectors (inputs 0..15 and 16..31).
+inline void Unpack(const uint8_t* p, F16& lo, F16& hi) {  // int4: low nibbles, then high
+  B16 b;
+  std::memcpy(&b, p, sizeof b);
+  lo = Widen(b & 15);
+  hi = Widen(b >> 4);
+}
+inline void Unpack(const int8_t* p, F16& lo, F16& hi) {  // int8: q = (q ^ 0x80) - 128, widened unsigned
+  B16 a, b;
+  std::memcpy(&a, p, sizeof a);
+  std::memcpy(&b, p + 16, sizeof b);
+  lo = Widen(a ^ 0x80) - 128.0f;
+  hi = Widen(b ^ 0x80) - 128.0f;
+}
+
+template <int M, typename QT>
+void Output(const Problem& p, int64_t n) {
+  constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;  // bytes per run
+  const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
+  const float* sc = p.scales + n * p.groups;
+  const int64_t runs_per_group = p.k / p.groups / kRun;
+  F16 acc[M] = {};
+  float off[M] = {};
+  int64_t k = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    F16 part[M] = {};
+    for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += kRunBytes) {
+      F16 lo, hi;
+      Unpack(row, lo, hi);
+      for (int m = 0; m < M; ++m) part[m] += lo * Load(p.x + m * p.k + k) + hi * Load(p.x + m * p.k + k + 16);
+    }
+    const F16 s = Splat(sc[g]);
+    for (int m = 0; m < M; ++m) acc[m] += part[m] * s;
+    if (p.offsets != nullptr)
+      for (int m = 0; m < M; ++m) off[m] += p.offsets[n * p.groups + g] * p.xsum[m * p.groups + g];
+  }
+  for (int m = 0; m < M; ++m) p.y[m * p.n + n] = Sum(acc[m]) + off[m];
+}
+
+struct NoScratch {};
+
+// ---- Many rows (a prefill chunk): four outputs at a time, their weights unpacked once into a
+// float32 scratch [4, K] (L1/L2), then every block of four x rows against them: sixteen
+// accumulators, eight loads per sixteen FMAs. Each packed byte is still read once per call.
+
+template <typename QT>
+void DequantizeRow(const Problem& p, int64_t n, float* out) {
+  constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;
+  const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
+  const int64_t runs_per_group = p.k / p.groups / kRun;
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    const F16 s = Splat(p.scales[n * p.groups + g]);
+    const F16 o = Splat(p.offsets != nullptr ? p.offsets[n * p.groups + g] : 0.0f);
+    for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += kRunBytes) {
+      F16 lo, hi;
+      Unpack(row, lo, hi);
+      lo = lo * s + o;
+      hi = hi * s + o;
+      std::memcpy(out + k, &lo, sizeof lo);
+      std::memcpy(out + k + 16, &hi, sizeof hi);
+    }
+  }
+}
+
+struct TileScratch {
+  std::vector<float> w;  // [4, K] the current four outputs' weights
+};
+
+template <typename QT>
+void TileItem(const Problem& p, int64_t item, TileScratch& scratch) {
+  scratch.w.resize(4 * p.k);
+  float* w = scratch.w.data();
+  const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+  for (int64_t n0 = item * kOutputsPerItem; n0 < n1; n0 += 4) {
+    const int64_t count = std::min<int64_t>(4, n1 - n0);
+    for (int64_t j = 0; j < 4; ++j) DequantizeRow<QT>(p, n0 + std::min(j, count - 1), w + j * p.k);
+    for (int64_t m0 = 0; m0 < p.rows; m0 += 4) {
+      const int64_t mc = std::min<int64_t>(4, p.rows - m0);
+      const float* x[4];
+      for (int64_t i = 0; i < 4; ++i) x[i] = p.x + (m0 + std::min(i, mc - 1)) * p.k;
+      F16 acc[4][4] = {};
+      for (int64_t k = 0; k < p.k; k += kLanes) {
+        const F16 w0 = Load(w + k), w1 = Load(w + p.k + k), w2 = Load(w + 2 * p.k + k), w3 = Load(w + 3 * p.k + k);
+        for (int i = 0; i < 4; ++i) {
+          const F16 xv = Load(x[i] + k);
+          acc[i][0] += xv * w0;
+          acc[i][1] += xv * w1;
+          acc[i][2] += xv * w2;
+          acc[i][3] += xv * w3;
+        }
+      }
+      for (int64_t i = 0; i < mc; ++i) {
+        const F4 sums = Sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        for (int64_t j = 0; j < count; ++j) p.y[(m0 + i) * p.n + n0 + j] = sums[j];
+      }
+    }
+  }
+}
+
+template <typename QT>
+void RunTiles(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
+  RunItems<TileScratch>(pool, items, [p](int64_t item, TileScratch& scratch) { TileItem<QT>(p, item, scratch); });
+}
+
+template <int M, typename QT>
+void Run(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
+  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) {
+    const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) Output<M, QT>(p, n);
+  });
+}
+
+template <typename QT>
+void RunRows(ffi::ThreadPool& pool, const Problem& p) {
+  if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
+  switch (p.rows) {
+    case 1: Run<1, QT>(pool, p); break;
+    case 2: Run<2, QT>(pool, p); break;
+    case 3: Run<3, QT>(pool, p); break;
+    default: Run<4, QT>(pool, p); break;
+  }
+}
+
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales,
+                       ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
+  using ffi::DataType;
+  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  const bool bf16 = x.element_type() == DataType::BF16;
+  const bool int4 = packed.element_type() == DataType::U8;
+  if ((!bf16 && x.element_type() != DataType::F32) || (!int4 && packed.element_type() != DataType::S8) ||
+      scales.element_type() != DataType::F32 || offsets.element_type() != DataType::F32 ||
+      y->element_type() != DataType::F32)
+    return ffi::Error::InvalidArgument("quantized matmul: x bf16 or f32, packed uint8 or int8, scales, offsets, y f32");
+  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized matmul: all operands must be matrices");
+  const int64_t rows = xd[0], k = xd[1], n = pd[0], groups = sd[1];
+  if (pd[1] * (int4 ? 2 : 1) != k || sd[0] != n || yd[0] != rows || yd[1] != n || groups < 1 ||
+      k % groups != 0 || (k / groups) % kRun != 0)
+    return ffi::Error::InvalidArgument("quantized matmul: shapes do not match, or groups are not whole runs of 32");
+  if (has_offsets && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != n ||
+                      offsets.dimensions()[1] != groups))
+    return ffi::Error::InvalidArgument("quantized matmul: offsets must be [N, G] like scales");
+  if (rows < 1) return ffi::Error::InvalidArgument("quantized matmul: x must have at least one row");
+  std::vector<float> x32(rows * k), xsum(rows * groups, 0.0f);
+  if (bf16) {
+    const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t i = 0; i < rows * k; ++i) x32[i] = ToF32(x16[i]);
+  } else {
+    std::memcpy(x32.data(), x.untyped_data(), rows * k * sizeof(float));
+  }
+  const int64_t group = k / groups;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / group] += x32[m * k + i];
+  const Problem p{rows, k, n, groups, x32.data(), xsum.data(), packed.untyped_data(),
+                  static_cast<const float*>(scales.untyped_data()),
+                  has_offsets ? static_cast<const float*>(offsets.untyped_data()) : nullptr,
+                  static_cast<float*>(y->untyped_data())};
+  if (int4) RunRows<uint8_t>(pool, p);
+  else RunRows<int8_t>(pool, p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuQuantMatmul, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16 or f32
+                                  .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 or [N, K] int8
+                                  .Arg<ffi::AnyBuffer>()  // scales [N, G] f32
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N, G] f32 (ignored without has_offsets)
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32
+                                  .Attr<int64_t>("has_offsets"));
+
+// ---- Dequantize a whole weight into float32 [N, K], for products too big for the kernel above
+// (long prefill chunks), which XLA's dot then takes: the same unpacking as DequantizeRow, on all
+// threads, in place of an XLA fusion that unpacked nibbles several times slower.
+namespace {
+
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer /*after*/, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                      ffi::Result<ffi::AnyBuffer> w, int64_t has_offsets) {
+  using ffi::DataType;
+  const bool int4 = packed.element_type() == DataType::U8;
+  const auto pd = packed.dimensions(), sd = scales.dimensions(), wd = w->dimensions();
+  if ((!int4 && packed.element_type() != DataType::S8) || scales.element_type() != DataType::F32 ||
+      offsets.element_type() != DataType::F32 || w->element_type() != DataType::F32)
+    return ffi::Error::InvalidArgument("dequantize: packed uint8 or int8, scales, offsets and w float32");
+  if (pd.size() != 2 || sd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("dequantize: all operands must be matrices");
+  const int64_t n = pd[0], k = pd[1] * (int4 ? 2 : 1), groups = sd[1];
+  if (sd[0] != n || wd[0] != n || wd[1] != k || groups < 1 || k % groups != 0 || (k / groups) % kRun != 0)
+    return ffi::Error::InvalidArgument("dequantize: shapes do not match, or groups are not whole runs of 32");
+  if (has_offsets && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != n ||
+                      offsets.dimensions()[1] != groups))
+    return ffi::Error::InvalidArgument("dequantize: offsets must be [N, G] like scales");
+  const Problem p{0, k, n, groups, nullptr, nullptr, packed.untyped_data(),
+                  static_cast<const float*>(scales.untyped_data()),
+                  has_offsets ? static_cast<const float*>(offsets.untyped_data()) : nullptr, nullptr};
+  float* out = static_cast<float*>(w->untyped_data());
+  const int64_t items = (n + kOutputsPerItem - 1) / kOutputsPerItem;
+  RunItems<NoScratch>(pool, items, [p, out, int4](int64_t item, NoScratch&) {
+    const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+    for (int64_t row = item * kOutputsPerItem; row < n1; ++row) {
+      if (int4) DequantizeRow<uint8_t>(p, row, out + row * p.k);
+      else DequantizeRow<int8_t>(p, row, out + row * p.k);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // after: not read (orders the call)
+                                  .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 or [N, K] int8
+                                  .Arg<ffi::AnyBuffer>()  // scales [N, G] f32
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N, G] f32 (ignored without has_offsets)
+                                  .Ret<ffi::AnyBuffer>()  // w [N, K] f32
+                                  .Attr<int64_t>("has_offsets"));

@@ -1,0 +1,110 @@
+"""Weight-only quantized products (``models/linear.py``): the native CPU kernel
+(``kernels/cpu/quant_matmul.cc``) and the XLA path against a float64 oracle, which products go
+where, and the XLA path lowering for GPU and TPU.
+
+The oracle multiplies x (as given, widened) with the dequantized weight in float64. The kernel
+accumulates in float32 and scales once per group: its error is a few float32 ulps of
+sum |x| |w|. The XLA path dequantizes to x's dtype first, so with bf16 activations the weight is
+rounded to bf16 too (one bf16 ulp of each weight)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner.kernels import native
+from jaxrunner.kernels.testing import lowering_context
+from jaxrunner.models import linear, quant
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
+FORMATS = [("int8", 32), ("int4", 32), ("int4", 64)]
+
+
+def _case(fmt, group, rows, dtype, k=192, n=80, seed=0):
+    rng = np.random.default_rng(seed)
+    leaf = quant.quantize_weight_only(rng.standard_normal((k, n)).astype(np.float32), fmt, group)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    return x, {name: jnp.asarray(part) for name, part in leaf.items()}, leaf
+
+
+def _oracle(x, leaf):
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    w64 = quant.dequantize(leaf, np.float64)
+    return x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+
+
+@needs_native
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
+    x, w, leaf = _case(fmt, group, rows, dtype)
+    got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
+    want, magnitude = _oracle(x, leaf)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    bound = 4 * x.shape[1] * np.finfo(np.float32).eps * magnitude + 1e-30
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_path_matches_float64_oracle(fmt, group, dtype):
+    x, w, leaf = _case(fmt, group, linear.NATIVE_QUANT_ROWS + 3, dtype, seed=1)  # more rows than the kernel takes
+    got = np.asarray(jax.jit(linear.weight_only_matmul)(x, w))
+    want, magnitude = _oracle(x, leaf)
+    weight_rounding = 0.0 if dtype == jnp.float32 else 2.0 ** -8
+    bound = (4 * x.shape[1] * np.finfo(np.float32).eps + weight_rounding) * magnitude + 1e-30
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+def _native_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(native.QUANT_MATMUL_TARGET_NAME)
+
+
+@needs_native
+def test_few_rows_go_to_the_kernel_and_more_to_xla():
+    x, w, _ = _case("int4", 32, 4, jnp.float32)
+    assert _native_calls(linear.linear_f32, x[:1], w) == 1
+    assert _native_calls(linear.linear_f32, x, w) == 1
+    assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 4), w) == 1
+    assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 5), w) == 0
+    more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
+    assert jax.jit(linear.linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
+    assert jax.jit(linear.linear_f32).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0
+    assert _native_calls(linear.linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
+                                                        "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
+
+
+@needs_native
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_native_dequantize_equals_the_numpy_one(fmt, group):
+    _, w, leaf = _case(fmt, group, 1, jnp.float32)
+    got = np.asarray(jax.jit(native.dequantize_native)(w))
+    np.testing.assert_allclose(got, quant.dequantize(leaf, np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    x, w, _ = _case("int4", 32, 1, jnp.float32)
+    assert not native.quantized_matmul_supported(x[:, :100], w)
+    assert not native.quantized_matmul_supported(jnp.zeros((0, 192)), w)
+    assert not native.quantized_matmul_supported(x, {**w, "scales": w["scales"][:, :5]})  # groups of 38.4
+    with pytest.raises(ValueError, match="native quantized matmul takes x"):
+        native.quantized_matmul_native(jnp.zeros((2, 100)), w)
+
+
+def test_cpu_features_are_detected_not_assumed():
+    features = native.cpu_features()
+    assert isinstance(features, list) and all(isinstance(f, str) for f in features)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("fmt,group", [("int8", 32), ("int4", 32)])
+def test_xla_path_lowers_for_gpu_and_tpu(platform, fmt, group):
+    """Accelerators take the XLA path: dequantize (int ops and a multiply-add) then one dot with
+    float32 accumulation; no host kernel in the program."""
+    x, w, _ = _case(fmt, group, 32, jnp.bfloat16)  # more rows than the CPU kernel takes on this host
+    with lowering_context(platform):
+        text = jax.jit(linear.linear_f32).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    assert "dot_general" in text and "custom_call" not in text
+    assert ("ui8" if fmt == "int4" else "i8") in text
