@@ -193,6 +193,10 @@ def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: 
 
 
 # ----------------------------------------------------------------------------- self-check
+# one jitted function for every engine of the process: a second start-up compiles the check again only for new shapes
+_checked_attention = jax.jit(kernels.ragged_paged_attention, static_argnames=("sm_scale", "impl", "max_prefill_seqs"))
+
+
 def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int,
                          head_dim: int, dtype, key: jax.Array, max_prefill_seqs: int | None = None) -> float:
     """Compare the serving attention impl with the reference on a random case of ``bucket``'s shape.
@@ -217,9 +221,8 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     args = (q, k_pages, v_pages, dummy["kv_lens"], dummy["page_indices"], dummy["cu_q_lens"], dummy["num_seqs"])
     outs = {}
     for name in (impl, "reference"):
-        fn = jax.jit(lambda *a, name=name: kernels.ragged_paged_attention(
-            *a, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs))
-        outs[name] = np.asarray(fn(*args), np.float32)[: int(dummy["cu_q_lens"][-1])]
+        out = _checked_attention(*args, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs)
+        outs[name] = np.asarray(out, np.float32)[: int(dummy["cu_q_lens"][-1])]
     error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
     tolerance = attention_tolerance(impl, dtype, max_abs_v=float(jnp.max(jnp.abs(v_pages.astype(jnp.float32)))),
                                     max_kv_len=int(np.max(dummy["kv_lens"], initial=1)))
@@ -231,28 +234,38 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
 
 # ----------------------------------------------------------------------------- warm-up
 def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_size: int, vocab_size: int,
-            max_model_len: int, progress: bool = False, max_prefill_seqs: int | None = None) -> dict:
+            max_model_len: int, progress: bool = False, max_prefill_seqs: int | None = None) -> tuple[dict, dict]:
     """Compile every bucket, then execute each once on its dummy batch and check the outputs.
 
     Running (not only compiling) matters: it fills the dispatch path and proves the executable
-    works on data. Returns per-bucket lower/compile/run seconds and XLA's memory analysis.
+    works on data. Returns (per-bucket trace/lower/compile/run seconds, persistent-cache outcome
+    and XLA's memory analysis; wall seconds of each phase). The phases are consecutive, so they add
+    up to warm-up's wall time: ``dummy_batches``, ``trace`` and ``lower`` (Σ over buckets, on this
+    thread), ``compile`` (the wait for compile threads beyond lowering), ``run``.
     """
     from tqdm.auto import tqdm
 
+    start = time.perf_counter()
     if mode == "random":
         batches = {b: random_dummy_batch(jax.random.fold_in(key, i), b, page_size, runner.cache_spec.num_pages,
                                          vocab_size, max_model_len, max_prefill_seqs) for i, b in enumerate(buckets)}
     else:
         batches = {b: zeros_dummy_batch(b, page_size) for b in buckets}
+    built = time.perf_counter()
     per_bucket = runner.compile_all(batches)
+    compiled = time.perf_counter()
     for bucket in tqdm(buckets, desc="warm-up", disable=not progress):
         batch = batches[bucket]
-        start = time.perf_counter()
+        run_start = time.perf_counter()
         sampled = runner.execute(bucket, batch)
-        per_bucket[bucket]["run_s"] = time.perf_counter() - start
+        per_bucket[bucket]["run_s"] = time.perf_counter() - run_start
         if mode == "random":
             check_sampled(sampled, int(batch["num_seqs"]), vocab_size, bucket)
-    return {str(b): info for b, info in per_bucket.items()}
+    traced = sum(info["trace_s"] for info in per_bucket.values())
+    lowered = sum(info["lower_s"] for info in per_bucket.values())
+    phases = {"dummy_batches": built - start, "trace": traced, "lower": lowered,
+              "compile": compiled - built - traced - lowered, "run": time.perf_counter() - compiled}
+    return {str(b): info for b, info in per_bucket.items()}, phases
 
 
 def check_sampled(sampled: dict, live: int, vocab_size: int, bucket: Bucket) -> None:
