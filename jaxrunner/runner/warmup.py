@@ -125,6 +125,17 @@ def zeros_dummy_batch(bucket: Bucket, page_size: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- KV sizing
+def total_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -141,6 +152,7 @@ class MemoryBudget:
     device_bytes: int | None   # what the device reports (None on CPU)
     budget_bytes: int          # what jaxrunner may use in all
     source: str                # where the budget came from
+    host_total_bytes: int | None = None  # the host's RAM × memory_utilization (CPU): steadier than what is available now
 
 
 def memory_budget(device, memory_utilization: float) -> MemoryBudget:
@@ -149,7 +161,8 @@ def memory_budget(device, memory_utilization: float) -> MemoryBudget:
         limit = int(stats["bytes_limit"])
         return MemoryBudget(limit, int(limit * memory_utilization), "device.memory_stats()['bytes_limit']")
     host = available_host_bytes()
-    return MemoryBudget(None, int(host * memory_utilization), "available host RAM (CPU reports no memory stats)")
+    return MemoryBudget(None, int(host * memory_utilization), "available host RAM (CPU reports no memory stats)",
+                        host_total_bytes=int(total_host_bytes() * memory_utilization))
 
 
 def check_weights_fit(budget: MemoryBudget, weights_bytes: int) -> None:
@@ -191,15 +204,32 @@ def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: 
         kv_bytes = budget.budget_bytes - weights_bytes - activation_bytes - margin
         how = "memory_utilization × device memory − weights − peak activations − margin"
     else:
-        kv_bytes = min(int(CPU_DEFAULT_KV_FRACTION * (budget.budget_bytes - weights_bytes)), CPU_DEFAULT_KV_CAP_BYTES)
-        how = f"{CPU_DEFAULT_KV_FRACTION:.0%} of the host budget left after weights (cap 4 GiB)"
+        total = budget.host_total_bytes or budget.budget_bytes
+        kv_bytes = min(int(CPU_DEFAULT_KV_FRACTION * (total - weights_bytes)), CPU_DEFAULT_KV_CAP_BYTES,
+                       (budget.budget_bytes - weights_bytes) // 2)
+        how = (f"{CPU_DEFAULT_KV_FRACTION:.0%} of the host's RAM after weights (cap 4 GiB, at most half of "
+               f"what is available)")
     pages = min(kv_bytes // bytes_per_page, max_useful_pages)
     if pages < 2:
         raise StartupError(f"no room for the KV cache: {kv_bytes / 2**20:.1f} MiB left ({how}), "
                            f"{bytes_per_page / 2**20:.2f} MiB per page")
     if pages == max_useful_pages:
         how += f", capped at max_num_seqs × pages per sequence + scratch ({max_useful_pages})"
+    elif budget.device_bytes is None and kv_cache_memory_bytes is None:
+        pages = steady_page_count(pages)
+        how += ", rounded down to 4 steps per power of two"
     return int(pages), how
+
+
+def steady_page_count(pages: int) -> int:
+    """``pages`` rounded down to one of 4 values per power of two (at most 20 % fewer).
+
+    The pool's size is in every executable's signature: a pool sized from host RAM that moves by
+    a few pages between processes would miss the persistent compilation cache at every start."""
+    if pages < 8:
+        return pages
+    step = 1 << (pages.bit_length() - 3)
+    return pages // step * step
 
 
 # ----------------------------------------------------------------------------- self-check
