@@ -1,18 +1,25 @@
 #!/usr/bin/env python
-"""Start-up: a cold start (empty compilation cache) and a warm start (same cache again), broken down.
+"""Start-up: cold (empty compilation cache) and cached (the same cache again), broken down.
 
-    python scripts/benchmark_startup.py                          # the `jaxrunner generate` engine defaults
+    python scripts/benchmark_startup.py                          # the CLI's and the README's configurations
+    python scripts/benchmark_startup.py --configs cli --repeats 3
     python scripts/benchmark_startup.py --max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 256
 
+Configurations: ``cli`` is what ``jaxrunner generate`` starts by default (dtype auto, the model's
+max_model_len, 16 sequences, 256-token steps), ``readme`` the Python example of the README
+(float32, 64 sequences, 512-token steps, max_model_len 2048); engine flags make a ``custom`` one.
 Each start runs in its own Python process, so nothing in memory (JAX's in-process executable
-cache, imported modules) carries over: the cold start gets a fresh empty persistent compilation
-cache directory, the warm start reuses it. From ``llm.startup_report``: model load, compile (sum
-over buckets), warm-up (which includes compiling; its run-only part is reported too), KV
-allocation (warm-up's wall time covers lowering, compiling on a thread pool and one run per bucket;
-Σ per-bucket lower/compile/run are reported too); plus the process's import time and total. Then ``--num-ttft-requests`` (default 10)
-requests of the same shape are served one after the other, and the time to first token of the
-first is compared with the tenth's. The OS file cache is not dropped: the GGUF file is read from
-memory by the second process.
+cache, imported modules) carries over: a cold start gets a fresh empty persistent compilation
+cache directory, the cached start right after it reuses that directory. Starts alternate between
+configurations, ``--repeats`` times; the figures are medians, every run is kept under ``runs``.
+
+From ``llm.startup_report``: ``breakdown_s``, consecutive wall-time phases that add up to the
+engine's start-up (load, KV sizing and allocation, dummy batches, tracing, lowering, the wait for
+XLA's compile threads, warm-up runs, the attention self-check), Σ per-bucket seconds (compiles
+overlap on a thread pool, so Σ compile exceeds its phase), and the persistent cache's hits and
+misses; plus the process's import time and total. Then ``--num-ttft-requests`` requests of the
+same shape are served one after the other (time to first token of the first and the tenth). The
+OS file cache is not dropped: the GGUF file is read from memory after the first start.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,19 +39,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as common  # noqa: E402
 
 KIND = "startup"
-REPORT_KEYS = ("load_s", "compile_s_total", "warmup_s", "kv_alloc_s")
+REPORT_KEYS = ("startup_s", "load_s", "compile_s_total", "trace_s_total", "lower_s_total", "run_s_total",
+               "warmup_s", "kv_alloc_s")
+PHASES = ("cold", "cached")
+# `jaxrunner generate`'s engine defaults (jaxrunner/cli.py) and the README's Python example.
+CONFIGS = {
+    "cli": dict(dtype="auto", max_model_len=None, max_num_seqs=16, max_num_batched_tokens=256),
+    "readme": dict(dtype="float32", seed=0, page_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                   max_model_len=2048),
+}
+MEDIAN_KEYS = ("process_wall_s", "import_s", "construct_s", "startup_s", "load_s", "warmup_s", "kv_alloc_s",
+               "compile_s_total", "trace_s_total", "lower_s_total", "run_s_total", "ttft_first_s", "ttft_tenth_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated: cli, readme, custom (default: cli,readme; custom when engine "
+                             "sizes are given)")
+    parser.add_argument("--repeats", type=int, default=2, help="cold + cached pairs per configuration")
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens of the TTFT requests")
     parser.add_argument("--output-len", type=int, default=8, help="output tokens of the TTFT requests")
     parser.add_argument("--num-ttft-requests", type=int, default=10, help="requests served after start-up")
-    parser.add_argument("--keep-cache", action="store_true", help="keep the temporary compilation cache dir")
+    parser.add_argument("--keep-cache", action="store_true", help="keep the temporary compilation cache dirs")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per start")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: JSON options of one start
-    common.add_engine_args(parser, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048)
+    common.add_engine_args(parser)
     common.add_output_args(parser, KIND)
     return parser
 
@@ -78,14 +100,14 @@ def child(spec: dict) -> dict:
                 if out.request_id == request_id and first is None:
                     first = time.perf_counter() - submitted
         ttft.append(first)
-    breakdown = {k: report.get(k) for k in REPORT_KEYS}
-    buckets = report.get("buckets", {}).values()
-    # Buckets are lowered one by one, then compiled on a thread pool: Σ compile can exceed warm-up's wall time.
-    breakdown["lower_s_total"] = sum(b.get("lower_s", 0.0) for b in buckets)
-    breakdown["run_s_total"] = sum(b.get("run_s", 0.0) for b in buckets)
-    breakdown["other_s"] = construct_s - sum(report.get(k) or 0.0 for k in ("load_s", "kv_alloc_s", "warmup_s"))
+    buckets = {name: {k: v for k, v in info.items() if k in ("trace_s", "lower_s", "compile_s", "run_s",
+                                                               "persistent_cache")}
+               for name, info in report.get("buckets", {}).items()}
     return {"import_s": import_s, "construct_s": construct_s, "since_process_start_s": time.perf_counter() - _T0,
-            **breakdown, "num_buckets": len(report.get("buckets", {})), "bucket_plan": report.get("bucket_plan"),
+            **{k: report.get(k) for k in REPORT_KEYS}, "breakdown_s": report.get("breakdown_s"),
+            "persistent_cache": report.get("persistent_cache"), "buckets": buckets,
+            "num_buckets": len(buckets), "bucket_plan": report.get("bucket_plan"), "dtype": report.get("dtype"),
+            "max_model_len": report.get("max_model_len"), "kv_pages": report.get("kv_pages"),
             "compilation_cache_dir": report.get("compilation_cache_dir"),
             "ttft_s": ttft, "ttft_first_s": ttft[0] if ttft else None,
             "ttft_tenth_s": ttft[9] if len(ttft) >= 10 else None, "ttft_last_s": ttft[-1] if ttft else None}
@@ -116,34 +138,74 @@ def run_start(label: str, spec: dict, timeout: float, progress: bool) -> dict:
     return result
 
 
-TABLE_HEADERS = ["start", "process s", "import s", "engine s", "load s", "KV alloc s", "warm-up s", "Σ lower s",
-                 "Σ compile s", "Σ run s", "other s", "buckets", "TTFT #1 ms", "TTFT #10 ms"]
+def summarize(runs: list[dict]) -> dict:
+    """Medians over runs (breakdown phases too), the cache counts of every run, and the runs."""
+    def median(values):
+        values = sorted(v for v in values if v is not None)
+        return statistics.median(values) if values else None
+
+    summary = {key: median(r.get(key) for r in runs) for key in MEDIAN_KEYS}
+    summary["breakdown_s"] = {part: median(r["breakdown_s"].get(part) for r in runs)
+                              for part in runs[0].get("breakdown_s") or {}}
+    summary["persistent_cache"] = [r.get("persistent_cache") for r in runs]
+    summary.update(num_buckets=runs[0]["num_buckets"], bucket_plan=runs[0]["bucket_plan"], dtype=runs[0]["dtype"],
+                   max_model_len=runs[0]["max_model_len"], ttft_s=runs[0]["ttft_s"], runs=runs)
+    return summary
+
+
+def config_options(name: str, args) -> dict:
+    if name == "custom":
+        return common.engine_options(args, max_total_len=args.input_len + args.output_len, max_concurrency=1)
+    return {**CONFIGS[name], "progress": False}
+
+
+def chosen_configs(args) -> list[str]:
+    custom = any(getattr(args, k) is not None for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
+    names = [n.strip() for n in (args.configs or ("custom" if custom else "cli,readme")).split(",") if n.strip()]
+    unknown = [n for n in names if n not in (*CONFIGS, "custom")]
+    if unknown or not names:
+        raise common.BenchError(f"--configs {args.configs!r}: valid names are {', '.join((*CONFIGS, 'custom'))}")
+    return names
+
+
+TABLE_HEADERS = ["start", "process s", "import s", "start-up s", "load s", "KV s", "trace s", "lower s",
+                 "compile wait s", "runs s", "self-check s", "Σ compile s", "cache hits/misses", "buckets",
+                 "TTFT #1 ms", "TTFT #10 ms"]
 
 
 def table_rows(results: dict) -> list[list]:
-    return [[label, r["process_wall_s"], r["import_s"], r["construct_s"], r["load_s"], r["kv_alloc_s"], r["warmup_s"],
-             r["lower_s_total"], r["compile_s_total"], r["run_s_total"], r["other_s"], r["num_buckets"],
-             common.ms(r["ttft_first_s"]),
-             common.ms(r["ttft_tenth_s"])] for label, r in results.items()]
+    rows = []
+    for label, r in results.items():
+        parts = r["breakdown_s"]
+        cache = r["persistent_cache"][-1] or {}
+        rows.append([label, r["process_wall_s"], r["import_s"], r["startup_s"], parts.get("load"),
+                     (parts.get("kv_sizing") or 0) + (parts.get("kv_alloc") or 0), parts.get("trace"),
+                     parts.get("lower"), parts.get("compile"), parts.get("run"), parts.get("self_check"),
+                     r["compile_s_total"], f"{cache.get('hits')}/{cache.get('misses')}", r["num_buckets"],
+                     common.ms(r["ttft_first_s"]), common.ms(r["ttft_tenth_s"])])
+    return rows
+
+
+BREAKDOWN_PARTS = (("load", "load"), ("kv_sizing", "KV sizing"), ("kv_alloc", "KV alloc"),
+                   ("dummy_batches", "dummy batches"), ("trace", "trace"), ("lower", "lower"),
+                   ("compile", "compile wait"), ("run", "warm-up runs"), ("self_check", "self-check"),
+                   ("other", "other"))
 
 
 def plot(path: str, results: dict, title: str) -> str:
     plt = common.pyplot()
     labels = list(results)
-    parts = [("import_s", "import"), ("load_s", "load"), ("kv_alloc_s", "KV alloc"),
-             ("warmup_s", "warm-up (lower + compile + run)"), ("other_s", "other")]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     bottom = [0.0] * len(labels)
-    for key, name in parts:
-        values = [max(0.0, results[label][key] or 0.0) for label in labels]
+    for key, name in (("import_s", "import"),) + BREAKDOWN_PARTS:
+        values = [max(0.0, (results[label]["breakdown_s"].get(key) if key != "import_s"
+                            else results[label]["import_s"]) or 0.0) for label in labels]
         ax.bar(labels, values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("s")
+    ax.set_ylabel("s (median)")
     ax.set_title("start-up breakdown (wall time)")
-    for i, label in enumerate(labels):
-        ax.annotate(f"Σ compile {results[label]['compile_s_total']:.1f} s", (i, bottom[i]), ha="center",
-                    va="bottom", fontsize=8)
-    ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelrotation=20)
+    ax.legend(fontsize=7)
     for label in labels:
         ttft = [common.ms(v) for v in results[label]["ttft_s"]]
         ax2.plot(range(1, len(ttft) + 1), ttft, "o-", label=label)
@@ -162,38 +224,44 @@ def main(argv=None) -> int:
         with open(spec["result"], "w", encoding="utf-8") as f:
             json.dump(result, f)
         return 0
-    if args.input_len < 1 or args.output_len < 1 or args.num_ttft_requests < 1:
-        raise common.BenchError("--input-len, --output-len and --num-ttft-requests must be at least 1")
+    if args.input_len < 1 or args.output_len < 1 or args.num_ttft_requests < 1 or args.repeats < 1:
+        raise common.BenchError("--input-len, --output-len, --num-ttft-requests and --repeats must be at least 1")
     if args.compilation_cache_dir:
-        raise common.BenchError("--compilation-cache-dir: the start-up benchmark makes its own empty cache dir")
+        raise common.BenchError("--compilation-cache-dir: the start-up benchmark makes its own empty cache dirs")
     progress = common.show_progress(args)
-    options = common.engine_options(args, max_total_len=args.input_len + args.output_len, max_concurrency=1)
-    cache_dir = tempfile.mkdtemp(prefix="jaxrunner-startup-cache-")
-    options["compilation_cache_dir"] = cache_dir
-    spec = {"model": args.model, "options": options, "seed": args.seed, "input_len": args.input_len,
-            "output_len": args.output_len, "num_ttft_requests": args.num_ttft_requests}
-    results = {}
-    try:
-        for label in ("cold", "warm"):
-            results[label] = run_start(label, spec, args.timeout, progress)
-        cache_files = sum(len(files) for _, _, files in os.walk(cache_dir))
-    finally:
-        if not args.keep_cache:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-    cold, warm = results["cold"], results["warm"]
-    speedup = {"process_wall": cold["process_wall_s"] / warm["process_wall_s"],
-               "compile": cold["compile_s_total"] / max(warm["compile_s_total"], 1e-9),
-               "engine": cold["construct_s"] / warm["construct_s"]}
-    config = {"model": args.model, "engine": options, "input_len": args.input_len, "output_len": args.output_len,
-              "num_ttft_requests": args.num_ttft_requests, "seed": args.seed,
-              "cache_files_after_warm": cache_files, "cache_kept": args.keep_cache,
+    names = chosen_configs(args)
+    options = {name: config_options(name, args) for name in names}
+    runs: dict[str, list[dict]] = {f"{name} {phase}": [] for name in names for phase in PHASES}
+    cache_files = {}
+    for repeat in range(args.repeats):
+        for name in names:  # alternate configurations: the machine's drift spreads over all of them
+            cache_dir = tempfile.mkdtemp(prefix="jaxrunner-startup-cache-")
+            spec = {"model": args.model, "options": {**options[name], "compilation_cache_dir": cache_dir},
+                    "seed": args.seed, "input_len": args.input_len, "output_len": args.output_len,
+                    "num_ttft_requests": args.num_ttft_requests}
+            try:
+                for phase in PHASES:
+                    runs[f"{name} {phase}"].append(run_start(f"{name} {phase} #{repeat + 1}", spec, args.timeout,
+                                                             progress))
+                cache_files[name] = sum(len(files) for _, _, files in os.walk(cache_dir))
+            finally:
+                if not args.keep_cache:
+                    shutil.rmtree(cache_dir, ignore_errors=True)
+    results = {label: summarize(r) for label, r in runs.items()}
+    cold_over_cached = {name: results[f"{name} cold"]["process_wall_s"] / results[f"{name} cached"]["process_wall_s"]
+                        for name in names}
+    config = {"model": args.model, "configs": options, "repeats": args.repeats, "input_len": args.input_len,
+              "output_len": args.output_len, "num_ttft_requests": args.num_ttft_requests, "seed": args.seed,
+              "cache_files_after_cached": cache_files, "cache_kept": args.keep_cache,
+              "engine": options[names[0]],
               "method": "each start in a fresh subprocess; cold = empty persistent compilation cache dir, "
-                        "warm = the same dir again; OS file cache not dropped"}
-    payload = {"config": config, "results": results, "cold_over_warm": speedup}
-    title = f"start-up: {args.model}, {cold['num_buckets']} buckets"
+                        "cached = the same dir again right after; configurations alternate; medians over "
+                        "repeats; OS file cache not dropped"}
+    payload = {"config": config, "results": results, "cold_over_cached_process_wall": cold_over_cached}
+    title = f"start-up: {args.model}, " + ", ".join(f"{n} {results[n + ' cold']['num_buckets']} buckets" for n in names)
     common.write_results(args, KIND, payload, plot, results, title)
-    common.print_table(TABLE_HEADERS, table_rows(results),
-                       title + f" — cold/warm: process {speedup['process_wall']:.2f}×, compile {speedup['compile']:.2f}×")
+    common.print_table(TABLE_HEADERS, table_rows(results), title + " — cold/cached process: " +
+                       ", ".join(f"{n} {v:.2f}×" for n, v in cold_over_cached.items()))
     return 0
 
 

@@ -308,19 +308,23 @@ def test_benchmark_serving_via_cli(tmp_path):
 
 @pytest.mark.slow
 @requires_smollm2
-def test_benchmark_startup_cold_vs_warm(tmp_path):
+def test_benchmark_startup_cold_vs_cached(tmp_path):
     out = tmp_path / "st.json"
-    _ok(script("startup", *TINY_ENGINE, "--input-len", "8", "--output-len", "4", "--output-json", str(out)))
+    _ok(script("startup", *TINY_ENGINE, "--repeats", "1", "--input-len", "8", "--output-len", "4",
+               "--output-json", str(out)))
     data = _read_json(out)
     results = data["results"]
-    assert set(results) == {"cold", "warm"}
+    assert set(results) == {"custom cold", "custom cached"}
     for r in results.values():
-        for key in ("load_s", "compile_s_total", "warmup_s", "kv_alloc_s", "process_wall_s", "ttft_first_s",
-                    "ttft_tenth_s"):
+        for key in ("startup_s", "load_s", "compile_s_total", "trace_s_total", "lower_s_total", "warmup_s",
+                    "kv_alloc_s", "process_wall_s", "ttft_first_s", "ttft_tenth_s"):
             assert r[key] is not None and r[key] >= 0, key
+        assert sum(r["runs"][0]["breakdown_s"].values()) == pytest.approx(r["runs"][0]["startup_s"])
         assert len(r["ttft_s"]) == 10 and r["num_buckets"] == len(TINY_PLAN.buckets())
-    assert results["cold"]["compilation_cache_dir"] == results["warm"]["compilation_cache_dir"]
-    assert not os.path.exists(results["cold"]["compilation_cache_dir"])  # the temporary cache is removed
-    assert data["config"]["cache_files_after_warm"] > 0
-    # The warm start found the executables the cold one compiled.
-    assert results["warm"]["compile_s_total"] < results["cold"]["compile_s_total"]
+    cold, cached = results["custom cold"]["runs"][0], results["custom cached"]["runs"][0]
+    assert cold["compilation_cache_dir"] == cached["compilation_cache_dir"]
+    assert not os.path.exists(cold["compilation_cache_dir"])  # the temporary cache is removed
+    assert data["config"]["cache_files_after_cached"]["custom"] > 0
+    # The cached start found every executable the cold one compiled.
+    assert cold["persistent_cache"]["misses"] > 0
+    assert cached["persistent_cache"]["misses"] == 0 and cached["persistent_cache"]["hits"] > 0

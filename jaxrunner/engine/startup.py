@@ -20,7 +20,7 @@ from jaxrunner.models.loader import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
 from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
-from jaxrunner.runner import warmup
+from jaxrunner.runner import cache_events, warmup
 
 logger = logging.getLogger("jaxrunner")
 
@@ -138,6 +138,11 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
 
     Returns (runner, bucket plan, max_model_len, start-up report).
     """
+    with cache_events.watch() as cache_watch:
+        return _start_runner(config, model, cache_watch)
+
+
+def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tuple[ModelRunner, BucketPlan, int, dict]:
     t0 = time.perf_counter()
     cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     max_model_len, why = resolve_max_model_len(config, model.config)
@@ -156,16 +161,20 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     logger.info("max_model_len %d: %s", max_model_len, why)
     logger.info("bucket plan: %s", plan.describe())
     spec = dataclasses.replace(template, num_pages=num_pages)
+    t_sized = time.perf_counter()
     runner = ModelRunner(cfg, model.params, spec, impl, mesh=mesh, max_prefill_seqs=config.max_num_prefill_seqs,
                          max_seqs_per_step=max(bucket.num_seqs for bucket in plan.buckets()),
                          architecture=model.architecture)
+    jax.block_until_ready(runner.kv_cache)
     t_alloc = time.perf_counter()
 
     key = jax.random.key(config.seed)
     buckets = plan.buckets()
-    per_bucket = warmup.warm_up(runner, buckets, key=key, mode=config.warmup_inputs, page_size=config.page_size,
-                                vocab_size=cfg.vocab_size, max_model_len=max_model_len, progress=config.progress,
-                                max_prefill_seqs=config.max_num_prefill_seqs)
+    per_bucket, phases = warmup.warm_up(runner, buckets, key=key, mode=config.warmup_inputs,
+                                        page_size=config.page_size, vocab_size=cfg.vocab_size,
+                                        max_model_len=max_model_len, progress=config.progress,
+                                        max_prefill_seqs=config.max_num_prefill_seqs)
+    t_warm = time.perf_counter()
     check_error = warmup.attention_self_check(runner.attention_impl, buckets[-1], config.page_size, cfg.num_heads,
                                               cfg.num_kv_heads, cfg.head_dim, spec.dtype, jax.random.fold_in(key, len(buckets)),
                                               config.max_num_prefill_seqs)
@@ -173,7 +182,12 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
     report.update(max_model_len_source=why, compilation_cache_dir=cache_dir,
-                  native_cpu_kernel=_native_kernel_status(device.platform))
+                  native_cpu_kernel=_native_kernel_status(device.platform),
+                  persistent_cache=cache_watch.totals(),
+                  startup_s=model.load_seconds + (t_end - t0),
+                  breakdown_s=_breakdown(model.load_seconds, kv_sizing=t_sized - t0, kv_alloc=t_alloc - t_sized,
+                                         phases=phases, self_check=t_end - t_warm,
+                                         total=model.load_seconds + (t_end - t0)))
     architecture = model.architecture if model.architecture is not None else registry.architecture_for(cfg)
     if hasattr(architecture, "expert_load"):  # mixture of experts: random against zero dummies
         report["expert_load"] = _expert_load(config, runner, architecture, buckets[-1], key, len(buckets) - 1,
@@ -186,6 +200,17 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
                 len(buckets), report["compile_s_total"], num_pages, report["kv_tokens"],
                 spec.nbytes / 2**20, runner.attention_impl)
     return runner, plan, max_model_len, report
+
+
+def _breakdown(load_s: float, *, kv_sizing: float, kv_alloc: float, phases: dict, self_check: float,
+               total: float) -> dict:
+    """Where the start-up's wall time went, in consecutive phases that add up to ``total``: loading,
+    KV-pool sizing (on accelerators it compiles the largest bucket once to measure activations), the
+    runner's params and pool, warm-up's phases (``warmup.warm_up``), the attention self-check, and
+    what is left (``other``: the plan, the report)."""
+    parts = {"load": load_s, "kv_sizing": kv_sizing, "kv_alloc": kv_alloc, **phases, "self_check": self_check}
+    parts["other"] = total - sum(parts.values())
+    return parts
 
 
 def _bucket_plan(config: EngineConfig, max_model_len: int) -> BucketPlan:
@@ -250,6 +275,7 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "bucket_plan": plan.describe(),
         "buckets": per_bucket,
         "compile_s_total": sum(b["compile_s"] for b in per_bucket.values()),
+        **{f"{part}_s_total": sum(b[f"{part}_s"] for b in per_bucket.values()) for part in ("trace", "lower", "run")},
         "warmup_s": warmup_s,
         "kv_alloc_s": kv_alloc_s,
         "warmup_inputs": config.warmup_inputs,

@@ -9,6 +9,7 @@ and one device→host copy per step.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -25,7 +26,7 @@ from jaxrunner.models import registry
 from jaxrunner.models.attention import PagedAttention
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.parallel import mesh as meshes, sharding
-from jaxrunner.runner import sampler
+from jaxrunner.runner import cache_events, sampler
 
 
 def model_step(params, kv_cache, batch, feed, *, architecture, attention):
@@ -67,6 +68,41 @@ def _forward(architecture, params, token_ids, positions, kv_cache, batch, attent
     return jnp.take(every_row, rows, axis=0), kv_cache, every_row
 
 
+_SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
+_MAX_SHARED_STEPS = 8
+
+
+def jitted_step(architecture, attention, shardings=None):
+    """``model_step`` jitted with the cache donated (and, on a mesh, the declared ``(params, cache,
+    replicated)`` shardings), one per distinct argument set, shared by every runner in the process.
+
+    JAX caches traces, lowerings and executables on the jitted function, so a second engine whose
+    options do not change any shape (seed, prefix caching, async scheduling, sampling defaults)
+    reuses them all and compiles nothing. Arguments that cannot be hashed (a user's architecture
+    object) get a function of their own."""
+    key = (architecture, attention,
+           None if shardings is None else jax.tree.flatten(shardings, is_leaf=lambda x: x is None))
+    try:
+        hash(key)
+    except TypeError:
+        return _jit_step(architecture, attention, shardings)
+    if key not in _SHARED_STEPS:
+        _SHARED_STEPS[key] = _jit_step(architecture, attention, shardings)
+        while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
+            _SHARED_STEPS.popitem(last=False)
+    _SHARED_STEPS.move_to_end(key)
+    return _SHARED_STEPS[key]
+
+
+def _jit_step(architecture, attention, shardings):
+    step = functools.partial(model_step, architecture=architecture, attention=attention)
+    if shardings is None:
+        return jax.jit(step, donate_argnums=(1,))
+    params, cache, replicated = shardings
+    return jax.jit(step, in_shardings=(params, cache, replicated, replicated),
+                   out_shardings=(replicated, replicated, cache), donate_argnums=(1,))
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
     num_pages: int
@@ -87,8 +123,15 @@ class KVCacheSpec:
     def allocate(self, sharding=None):
         """One (k_pages, v_pages) pair per layer, zero-filled, placed by ``sharding`` (or a device)."""
         shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        make = jax.jit(functools.partial(jnp.zeros, shape, jnp.dtype(self.dtype)), out_shardings=sharding)
+        make = _zeros_function(shape, jnp.dtype(self.dtype), sharding)
         return [(make(), make()) for _ in range(self.num_layers)]
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros_function(shape, dtype, sharding):
+    """One jitted zero-fill per pool shape and placement, shared by every pool of the process (a
+    second engine with the same pool compiles nothing)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 class ModelRunner:
@@ -120,47 +163,55 @@ class ModelRunner:
         cache_shardings = [(pool, pool)] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
         architecture = architecture if architecture is not None else registry.architecture_for(cfg)
-        step = functools.partial(model_step, architecture=architecture, attention=attention)
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
-            self._jitted_step = jax.jit(step, donate_argnums=(1,))  # compile time (~10% measured)
+            self._jitted_step = jitted_step(architecture, attention)  # compile time (~10% measured)
         else:
-            replicated = self.batch_sharding
-            self._jitted_step = jax.jit(step, in_shardings=(param_shardings, cache_shardings, replicated, replicated),
-                                        out_shardings=(replicated, replicated, cache_shardings), donate_argnums=(1,))
+            self._jitted_step = jitted_step(architecture, attention, (param_shardings, cache_shardings,
+                                                                      self.batch_sharding))
         self._executables: dict = {}
         self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
         self.kv_cache = cache_spec.allocate(pool)
         self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
 
+    def trace(self, batch):
+        """The step traced to a jaxpr for ``batch``'s shapes (Python runs the model once)."""
+        return self._jitted_step.trace(self.params, self.kv_cache, batch, self.feed)
+
     def lower(self, batch):
-        return self._jitted_step.lower(self.params, self.kv_cache, batch, self.feed)
+        return self.trace(batch).lower()
 
     def compile_all(self, batches: dict, workers: int | None = None) -> dict:
         """Compile one executable per bucket (``{bucket: example batch}``); returns per-bucket info.
 
-        Lowering holds the GIL, XLA's compilation does not: lower in turn, compile on a thread pool.
+        Tracing and lowering hold the GIL, XLA's compilation does not: each bucket is traced and
+        lowered in turn on this thread and handed to a compile thread as soon as it is lowered, so
+        compiling one bucket overlaps lowering the next.
         """
-        lowered = {}
-        for bucket, batch in batches.items():
-            start = time.perf_counter()
-            lowered[bucket] = (self.lower(batch), time.perf_counter() - start)
         workers = workers or os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {bucket: pool.submit(self._compile_lowered, bucket, low, lower_s)
-                       for bucket, (low, lower_s) in lowered.items()}
+        with cache_events.watch() as watch, concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {bucket: pool.submit(self._compile_lowered, bucket, *self._trace_and_lower(batch), watch)
+                       for bucket, batch in batches.items()}
             return {bucket: future.result() for bucket, future in futures.items()}
 
     def compile(self, bucket, batch) -> dict:
         """Compile the executable for ``bucket``; returns seconds and XLA's memory analysis."""
-        start = time.perf_counter()
-        lowered = self.lower(batch)
-        return self._compile_lowered(bucket, lowered, time.perf_counter() - start)
+        with cache_events.watch() as watch:
+            return self._compile_lowered(bucket, *self._trace_and_lower(batch), watch)
 
-    def _compile_lowered(self, bucket, lowered, lower_s: float) -> dict:
+    def _trace_and_lower(self, batch):
         start = time.perf_counter()
+        traced = self.trace(batch)
+        traced_at = time.perf_counter()
+        lowered = traced.lower()
+        return lowered, {"trace_s": traced_at - start, "lower_s": time.perf_counter() - traced_at}
+
+    def _compile_lowered(self, bucket, lowered, info: dict, watch) -> dict:
+        start = time.perf_counter()
+        before = watch.this_thread()
         compiled = lowered.compile()
         self._executables[bucket] = compiled
-        info = {"lower_s": lower_s, "compile_s": time.perf_counter() - start}
+        info = {**info, "compile_s": time.perf_counter() - start,
+                "persistent_cache": cache_events.outcome(before, watch.this_thread())}
         analysis = compiled.memory_analysis()
         if analysis is not None:
             info.update(temp_bytes=int(analysis.temp_size_in_bytes),

@@ -23,6 +23,8 @@ from jaxrunner.runner.batch import (MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MA
                                     empty_batch)
 from jaxrunner.runner.buckets import Bucket
 
+WARMUP_MAX_CONTEXT = 256       # cached tokens before a warm-up query (one decode per batch goes up to the full width)
+SELF_CHECK_MAX_PAGES = 32      # page-table width of the attention self-check's case
 CPU_DEFAULT_KV_FRACTION = 0.25   # of available host RAM, when no accelerator reports its memory
 CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
 SAFETY_MARGIN_FRACTION = 0.05
@@ -82,18 +84,26 @@ def _fill_random_sampling(rng: np.random.Generator, sampling: dict, num_seqs: in
 
 
 def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
-                       max_model_len: int, max_prefill_seqs: int | None = None) -> dict:
-    """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring)."""
+                       max_model_len: int, max_prefill_seqs: int | None = None,
+                       max_context: int | None = None) -> dict:
+    """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring).
+
+    ``max_context`` bounds the cached tokens before each query, except for the first decode,
+    which still reaches anywhere up to the full page table: attention's cost follows the real
+    context lengths, and a warm-up run need not pay for 16 sequences of the model's full length
+    (the executable, and so what is proven, is the same)."""
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
     rng = np.random.default_rng(seed)
     batch = empty_batch(bucket, page_size)
     num_seqs = int(rng.integers(1, bucket.num_seqs + 1))
     q_lens = _split_tokens(rng, bucket.num_tokens, num_seqs, max_prefill_seqs)
     max_len = min(max_model_len, bucket.num_pages * page_size)
+    long_row = int(np.argmax(q_lens == 1)) if np.any(q_lens == 1) else -1
     cursor = 0
     for s, q_len in enumerate(q_lens):
         q_len = int(min(q_len, max_len))
-        kv_len = int(rng.integers(q_len, max_len + 1))
+        longest = max_len if max_context is None or s == long_row else min(max_len, q_len + max_context)
+        kv_len = int(rng.integers(q_len, longest + 1))
         needed = math.ceil(kv_len / page_size)  # a small pool may repeat pages: still valid, never scratch
         pages = rng.choice(np.arange(1, num_pages), size=needed, replace=needed > num_pages - 1)
         positions = np.arange(kv_len - q_len, kv_len)
@@ -128,6 +138,17 @@ def zeros_dummy_batch(bucket: Bucket, page_size: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- KV sizing
+def total_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -144,6 +165,7 @@ class MemoryBudget:
     device_bytes: int | None   # what the device reports (None on CPU)
     budget_bytes: int          # what jaxrunner may use in all
     source: str                # where the budget came from
+    host_total_bytes: int | None = None  # the host's RAM × memory_utilization (CPU): steadier than what is available now
 
 
 def memory_budget(device, memory_utilization: float) -> MemoryBudget:
@@ -152,7 +174,8 @@ def memory_budget(device, memory_utilization: float) -> MemoryBudget:
         limit = int(stats["bytes_limit"])
         return MemoryBudget(limit, int(limit * memory_utilization), "device.memory_stats()['bytes_limit']")
     host = available_host_bytes()
-    return MemoryBudget(None, int(host * memory_utilization), "available host RAM (CPU reports no memory stats)")
+    return MemoryBudget(None, int(host * memory_utilization), "available host RAM (CPU reports no memory stats)",
+                        host_total_bytes=int(total_host_bytes() * memory_utilization))
 
 
 def check_weights_fit(budget: MemoryBudget, weights_bytes: int) -> None:
@@ -194,21 +217,44 @@ def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: 
         kv_bytes = budget.budget_bytes - weights_bytes - activation_bytes - margin
         how = "memory_utilization × device memory − weights − peak activations − margin"
     else:
-        kv_bytes = min(int(CPU_DEFAULT_KV_FRACTION * (budget.budget_bytes - weights_bytes)), CPU_DEFAULT_KV_CAP_BYTES)
-        how = f"{CPU_DEFAULT_KV_FRACTION:.0%} of the host budget left after weights (cap 4 GiB)"
+        total = budget.host_total_bytes or budget.budget_bytes
+        kv_bytes = min(int(CPU_DEFAULT_KV_FRACTION * (total - weights_bytes)), CPU_DEFAULT_KV_CAP_BYTES,
+                       (budget.budget_bytes - weights_bytes) // 2)
+        how = (f"{CPU_DEFAULT_KV_FRACTION:.0%} of the host's RAM after weights (cap 4 GiB, at most half of "
+               f"what is available)")
     pages = min(kv_bytes // bytes_per_page, max_useful_pages)
     if pages < 2:
         raise StartupError(f"no room for the KV cache: {kv_bytes / 2**20:.1f} MiB left ({how}), "
                            f"{bytes_per_page / 2**20:.2f} MiB per page")
     if pages == max_useful_pages:
         how += f", capped at max_num_seqs × pages per sequence + scratch ({max_useful_pages})"
+    elif budget.device_bytes is None and kv_cache_memory_bytes is None:
+        pages = steady_page_count(pages)
+        how += ", rounded down to 4 steps per power of two"
     return int(pages), how
 
 
+def steady_page_count(pages: int) -> int:
+    """``pages`` rounded down to one of 4 values per power of two (at most 20 % fewer).
+
+    The pool's size is in every executable's signature: a pool sized from host RAM that moves by
+    a few pages between processes would miss the persistent compilation cache at every start."""
+    if pages < 8:
+        return pages
+    step = 1 << (pages.bit_length() - 3)
+    return pages // step * step
+
+
 # ----------------------------------------------------------------------------- self-check
+# one jitted function for every engine of the process: a second start-up compiles the check again only for new shapes
+_checked_attention = jax.jit(kernels.ragged_paged_attention, static_argnames=("sm_scale", "impl", "max_prefill_seqs"))
+
+
 def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int,
                          head_dim: int, dtype, key: jax.Array, max_prefill_seqs: int | None = None) -> float:
-    """Compare the serving attention impl with the reference on a random case of ``bucket``'s shape.
+    """Compare the serving attention impl with the reference on a random case of ``bucket``'s
+    tokens and sequences, with a page table of at most ``SELF_CHECK_MAX_PAGES`` (the reference is
+    dense: at the model's full length its case alone took seconds at every start).
 
     Catches a kernel that miscompiles on new hardware before any request sees it. Returns the max
     abs difference; raises StartupError when it exceeds the tolerance that the cache dtype and the
@@ -219,9 +265,9 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     """
     from jaxrunner.kernels.tolerance import attention_tolerance
 
-    dummy = random_dummy_batch(key, bucket, page_size, bucket.num_seqs * bucket.num_pages + 1, 64, 1 << 30,
-                               max_prefill_seqs)
+    bucket = Bucket(bucket.num_tokens, bucket.num_seqs, min(bucket.num_pages, SELF_CHECK_MAX_PAGES))
     num_pages = bucket.num_seqs * bucket.num_pages + 1
+    dummy = random_dummy_batch(key, bucket, page_size, num_pages, 64, 1 << 30, max_prefill_seqs)
     k1, k2, k3 = jax.random.split(key, 3)
     q = jax.random.normal(k1, (bucket.num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
     pool_shape = (num_pages, page_size, num_kv_heads, head_dim)
@@ -230,9 +276,8 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     args = (q, k_pages, v_pages, dummy["kv_lens"], dummy["page_indices"], dummy["cu_q_lens"], dummy["num_seqs"])
     outs = {}
     for name in (impl, "reference"):
-        fn = jax.jit(lambda *a, name=name: kernels.ragged_paged_attention(
-            *a, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs))
-        outs[name] = np.asarray(fn(*args), np.float32)[: int(dummy["cu_q_lens"][-1])]
+        out = _checked_attention(*args, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs)
+        outs[name] = np.asarray(out, np.float32)[: int(dummy["cu_q_lens"][-1])]
     error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
     tolerance = attention_tolerance(impl, dtype, max_abs_v=float(jnp.max(jnp.abs(v_pages.astype(jnp.float32)))),
                                     max_kv_len=int(np.max(dummy["kv_lens"], initial=1)))
@@ -244,28 +289,39 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
 
 # ----------------------------------------------------------------------------- warm-up
 def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_size: int, vocab_size: int,
-            max_model_len: int, progress: bool = False, max_prefill_seqs: int | None = None) -> dict:
+            max_model_len: int, progress: bool = False, max_prefill_seqs: int | None = None) -> tuple[dict, dict]:
     """Compile every bucket, then execute each once on its dummy batch and check the outputs.
 
     Running (not only compiling) matters: it fills the dispatch path and proves the executable
-    works on data. Returns per-bucket lower/compile/run seconds and XLA's memory analysis.
+    works on data. Returns (per-bucket trace/lower/compile/run seconds, persistent-cache outcome
+    and XLA's memory analysis; wall seconds of each phase). The phases are consecutive, so they add
+    up to warm-up's wall time: ``dummy_batches``, ``trace`` and ``lower`` (Σ over buckets, on this
+    thread), ``compile`` (the wait for compile threads beyond lowering), ``run``.
     """
     from tqdm.auto import tqdm
 
+    start = time.perf_counter()
     if mode == "random":
         batches = {b: random_dummy_batch(jax.random.fold_in(key, i), b, page_size, runner.cache_spec.num_pages,
-                                         vocab_size, max_model_len, max_prefill_seqs) for i, b in enumerate(buckets)}
+                                         vocab_size, max_model_len, max_prefill_seqs, WARMUP_MAX_CONTEXT)
+                   for i, b in enumerate(buckets)}
     else:
         batches = {b: zeros_dummy_batch(b, page_size) for b in buckets}
+    built = time.perf_counter()
     per_bucket = runner.compile_all(batches)
+    compiled = time.perf_counter()
     for bucket in tqdm(buckets, desc="warm-up", disable=not progress):
         batch = batches[bucket]
-        start = time.perf_counter()
+        run_start = time.perf_counter()
         sampled = runner.execute(bucket, batch)
-        per_bucket[bucket]["run_s"] = time.perf_counter() - start
+        per_bucket[bucket]["run_s"] = time.perf_counter() - run_start
         if mode == "random":
             check_sampled(sampled, int(batch["num_seqs"]), vocab_size, bucket)
-    return {str(b): info for b, info in per_bucket.items()}
+    traced = sum(info["trace_s"] for info in per_bucket.values())
+    lowered = sum(info["lower_s"] for info in per_bucket.values())
+    phases = {"dummy_batches": built - start, "trace": traced, "lower": lowered,
+              "compile": compiled - built - traced - lowered, "run": time.perf_counter() - compiled}
+    return {str(b): info for b, info in per_bucket.items()}, phases
 
 
 def check_sampled(sampled: dict, live: int, vocab_size: int, bucket: Bucket) -> None:

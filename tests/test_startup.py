@@ -1,0 +1,78 @@
+"""Start-up cost: nothing compiles twice, the persistent cache serves every executable, and the
+report says where the time went."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine_helpers import count_compilations, make_llm, random_prompts, token_ids
+from jaxrunner import SamplingParams
+
+# Options that change no shape: a second engine with them must reuse every executable.
+SHAPE_PRESERVING = dict(seed=7, enable_prefix_caching=False, async_scheduling=False, memory_utilization=0.5,
+                        enable_chunked_prefill=False)
+
+
+def test_shape_preserving_options_compile_nothing(tiny_checkpoints):
+    first = make_llm(tiny_checkpoints["llama"])
+    prompts = random_prompts(3, 512, 4, 20)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = token_ids(first.generate(prompts, params))
+    with count_compilations() as events:
+        second = make_llm(tiny_checkpoints["llama"], **SHAPE_PRESERVING)
+        assert token_ids(second.generate(prompts, params)) == expected
+    assert events == []
+    assert second.startup_report["persistent_cache"] == {"hits": 0, "misses": 0}  # all from this process's memory
+
+
+def test_a_shape_change_compiles_again(tiny_checkpoints):
+    """The sharing is by shape: a different pool size is a different program."""
+    make_llm(tiny_checkpoints["llama"])
+    with count_compilations() as events:
+        make_llm(tiny_checkpoints["llama"], num_pages=80)
+    assert "/jax/core/compile/jaxpr_trace_duration" in events
+
+
+_SECOND_START = """
+import json, sys
+from engine_helpers import make_llm
+report = make_llm(sys.argv[1], seed=3, compilation_cache_dir=sys.argv[2]).startup_report
+print(json.dumps({"persistent_cache": report["persistent_cache"],
+                  "buckets": {name: info["persistent_cache"] for name, info in report["buckets"].items()}}))
+"""
+
+
+def test_second_process_reads_every_executable_from_the_persistent_cache(tiny_checkpoints):
+    """No executable of a start-up may miss the cache on a second start (no seeds or other
+    run-to-run values baked into a program), even with a different engine seed."""
+    report = make_llm(tiny_checkpoints["llama"]).startup_report
+    cache_dir = report["compilation_cache_dir"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _SECOND_START, tiny_checkpoints["llama"], cache_dir],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert second["persistent_cache"]["misses"] == 0, second
+    assert second["persistent_cache"]["hits"] >= len(report["buckets"])
+    assert set(second["buckets"].values()) == {"hit"}
+
+
+def test_startup_report_breakdown_adds_up(tiny_checkpoints):
+    report = make_llm(tiny_checkpoints["llama"]).startup_report
+    parts = report["breakdown_s"]
+    assert set(parts) == {"load", "kv_sizing", "kv_alloc", "dummy_batches", "trace", "lower", "compile", "run",
+                          "self_check", "other"}
+    assert all(seconds >= -1e-6 for seconds in parts.values()), parts
+    assert sum(parts.values()) == pytest.approx(report["startup_s"])
+    assert parts["load"] == report["load_s"]
+    buckets = report["buckets"].values()
+    for part in ("trace", "lower", "run"):
+        assert report[f"{part}_s_total"] == pytest.approx(sum(b[f"{part}_s"] for b in buckets))
+    assert parts["trace"] == pytest.approx(report["trace_s_total"])
+    assert parts["lower"] == pytest.approx(report["lower_s_total"])
+    assert parts["run"] >= report["run_s_total"]
+    assert all(b["persistent_cache"] in ("hit", "miss", "unused") for b in buckets)
