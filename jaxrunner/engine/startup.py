@@ -185,7 +185,8 @@ def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner,
 
 def _bucket_plan(config: EngineConfig, max_model_len: int) -> BucketPlan:
     return BucketPlan.from_limits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
-                                  config.page_size, min_tokens=config.min_token_bucket)
+                                  config.page_size, min_tokens=config.min_token_bucket,
+                                  num_speculative_tokens=config.num_speculative_tokens or 0)
 
 
 def _native_kernel_status(platform: str) -> str:
