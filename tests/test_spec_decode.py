@@ -188,3 +188,13 @@ def test_serving_with_speculation_never_compiles(spec, workload):
     assert compiles == []
     assert sum(o.num_accepted_draft_tokens for o in outputs) > 0
     assert_no_pages_held(spec)
+
+
+def test_vllm_speculative_config_maps_to_engine_options():
+    from jaxrunner.llm import _engine_options
+
+    options = _engine_options({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                      "prompt_lookup_max": 3}})
+    assert options == {"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match="speculative_config: unknown key"):
+        _engine_options({"speculative_config": {"method": "ngram", "model": "draft"}})
