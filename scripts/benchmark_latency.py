@@ -76,9 +76,10 @@ def _summary(ttft: list[float], tpot: list[float], e2e: list[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------- jaxrunner
-REPEAT_ITEMS = ["apples", "bread", "milk", "eggs", "butter", "cheese", "tomatoes", "onions", "rice", "pasta",
-                "coffee", "tea", "sugar", "salt", "pepper", "olive oil", "lemons", "garlic", "carrots", "potatoes",
-                "chicken", "yogurt", "honey", "oranges", "spinach", "beans", "flour", "cereal", "juice", "soap"]
+# capitalized as the model writes list items, so that a faithful copy is token-identical
+REPEAT_ITEMS = ["Apples", "Bread", "Milk", "Eggs", "Butter", "Cheese", "Tomatoes", "Onions", "Rice", "Pasta",
+                "Coffee", "Tea", "Sugar", "Salt", "Pepper", "Olive oil", "Lemons", "Garlic", "Carrots", "Potatoes",
+                "Chicken", "Yogurt", "Honey", "Oranges", "Spinach", "Beans", "Flour", "Cereal", "Juice", "Soap"]
 CHAT_PROMPTS = {
     "repeat": "Repeat the following shopping list exactly, one item per line, numbered:\n"
               + "\n".join(f"{i}. {item}" for i, item in enumerate(REPEAT_ITEMS, start=1)),
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
         return common.hf_worker_main(args.hf_worker, _hf_work)
     batch_sizes = common.parse_int_list(args.batch_sizes, "--batch-sizes")
     input_lens = common.parse_int_list(args.input_lens, "--input-lens")
+    if args.prompt_kind != "random":
+        input_lens = input_lens[:1]  # the chat text sets the prompt's length
     output_lens = common.parse_int_list(args.output_lens, "--output-lens")
     if args.repetitions < 1 or args.warmup_repetitions < 0:
         raise common.BenchError("--repetitions must be >= 1 and --warmup-repetitions >= 0")
