@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram looked up")
     spec.add_argument("--compare-speculation", action="store_true",
                       help="also run without speculation, alternating repetitions with the speculative engine")
-    parser.add_argument("--prompt-kind", choices=["random", "repeat", "free"], default="random",
-                        help="random token prompts, or a chat prompt asking to repeat a list / to write new text")
+    parser.add_argument("--prompt-kind", default="random",
+                        help="random (token prompts), repeat (a chat prompt asking to repeat a list), free (one "
+                             "asking for new text), or several, comma-separated")
     common.add_hf_args(parser)
     common.add_engine_args(parser)
     common.add_output_args(parser, KIND)
@@ -85,6 +86,7 @@ CHAT_PROMPTS = {
               + "\n".join(f"{i}. {item}" for i, item in enumerate(REPEAT_ITEMS, start=1)),
     "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+PROMPT_KINDS = ("random", *CHAT_PROMPTS)
 
 
 def make_prompts(kind: str, tokenizer, rng: np.random.Generator, batch_size: int, input_len: int) -> list[list[int]]:
@@ -201,7 +203,7 @@ def _hf_work(hf_model, pad_id: int, spec: dict) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- report
-TABLE_HEADERS = ["engine", "batch", "in", "out", "TTFT p50 ms", "p90", "p99", "TPOT p50 ms", "p90", "p99",
+TABLE_HEADERS = ["engine", "prompt", "accepted", "batch", "in", "out", "TTFT p50 ms", "p90", "p99", "TPOT p50 ms", "p90", "p99",
                  "E2E p50 s", "p90", "p99"]
 
 
@@ -209,17 +211,23 @@ def table_rows(rows: list[dict]) -> list[list]:
     out = []
     for r in rows:
         t, p, e = r["ttft_s"], r["tpot_s"], r["e2e_s"]
-        out.append([r["engine"], r["batch_size"], r["input_len"], r["output_len"],
+        rate = r.get("spec_acceptance_rate")
+        out.append([r["engine"], r.get("prompt_kind", "random"), "-" if rate is None else f"{rate:.0%}", r["batch_size"], r["input_len"], r["output_len"],
                     common.ms(t["p50"]), common.ms(t["p90"]), common.ms(t["p99"]),
                     common.ms(p["p50"]), common.ms(p["p90"]), common.ms(p["p99"]),
                     e["p50"], e["p90"], e["p99"]])
     return out
 
 
+def _label(row: dict) -> str:
+    kind = row.get("prompt_kind", "random")
+    return ("" if kind == "random" else f"{kind} ") + f"b{row['batch_size']} in{row['input_len']} out{row['output_len']}"
+
+
 def plot(path: str, rows: list[dict], title: str) -> str:
     labels, seen = [], set()
     for r in rows:
-        label = f"b{r['batch_size']} in{r['input_len']} out{r['output_len']}"
+        label = _label(r)
         if label not in seen:
             seen.add(label)
             labels.append(label)
@@ -229,7 +237,7 @@ def plot(path: str, rows: list[dict], title: str) -> str:
         values = {e: [None] * len(labels) for e in engines}
         for r in rows:
             v = r[metric]["p50"]
-            values[r["engine"]][labels.index(f"b{r['batch_size']} in{r['input_len']} out{r['output_len']}")] = \
+            values[r["engine"]][labels.index(_label(r))] = \
                 None if v is None else v * scale
         return values
 
@@ -245,15 +253,19 @@ def main(argv=None) -> int:
         return common.hf_worker_main(args.hf_worker, _hf_work)
     batch_sizes = common.parse_int_list(args.batch_sizes, "--batch-sizes")
     input_lens = common.parse_int_list(args.input_lens, "--input-lens")
-    if args.prompt_kind != "random":
-        input_lens = input_lens[:1]  # the chat text sets the prompt's length
+    prompt_kinds = args.prompt_kind.split(",")
+    for kind in prompt_kinds:
+        if kind not in PROMPT_KINDS:
+            raise common.BenchError(f"--prompt-kind {kind!r}: valid: {', '.join(PROMPT_KINDS)} (comma-separated)")
     output_lens = common.parse_int_list(args.output_lens, "--output-lens")
     if args.repetitions < 1 or args.warmup_repetitions < 0:
         raise common.BenchError("--repetitions must be >= 1 and --warmup-repetitions >= 0")
     if args.compare == "hf":
+        if prompt_kinds != ["random"]:
+            raise common.BenchError("--compare hf measures random token prompts only (--prompt-kind random)")
         common.hf_spec(args.model, args.hf_threads)
     progress = common.show_progress(args)
-    prompt_room = max(input_lens) if args.prompt_kind == "random" else 512
+    prompt_room = max(input_lens + [512] * any(kind != "random" for kind in prompt_kinds))
     options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
                                     max_concurrency=max(batch_sizes))
     spec_options = {name: getattr(args, name) for name in ("num_speculative_tokens", "prompt_lookup_max",
@@ -273,14 +285,17 @@ def main(argv=None) -> int:
     if args.speculative_method is not None:
         llms[f"jaxrunner+{args.speculative_method}"] = common.start_llm(
             args.model, dict(options, speculative_method=args.speculative_method, **spec_options))
+    # a chat text sets the prompt's length: one input length for it
+    workloads = [(kind, combo) for kind in prompt_kinds
+                 for combo in combinations(batch_sizes, input_lens if kind == "random" else input_lens[:1], output_lens)]
     combos = combinations(batch_sizes, input_lens, output_lens)
     rng = np.random.default_rng(args.seed)
     rows = []
-    for b, i, o in tqdm(combos, desc="jaxrunner latency", disable=not progress):
+    for kind, (b, i, o) in tqdm(workloads, desc="jaxrunner latency", disable=not progress):
         summaries = measure_jaxrunner({name: llm.engine for name, (llm, _) in llms.items()}, b, i, o,
-                                      args.repetitions, rng, args.warmup_repetitions, args.prompt_kind)
-        rows.extend({"engine": name, "batch_size": b, "input_len": summary.pop("prompt_len"), "output_len": o,
-                     **summary} for name, summary in summaries.items())
+                                      args.repetitions, rng, args.warmup_repetitions, kind)
+        rows.extend({"engine": name, "prompt_kind": kind, "batch_size": b, "input_len": summary.pop("prompt_len"),
+                     "output_len": o, **summary} for name, summary in summaries.items())
     name, (llm, startup_s) = next(iter(llms.items()))
     startup = dict(common.startup_summary(llm), total_s=startup_s)
     vocab, low = common.tokenizer_vocab(llm.get_tokenizer())

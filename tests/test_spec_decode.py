@@ -152,7 +152,7 @@ def test_greedy_output_is_token_identical(plain, spec, workload):
     stats_ = spec.engine.stats()
     assert stats_["num_accepted_draft_tokens"] > 0 and 0 < stats_["spec_acceptance_rate"] <= 1
     repetitive = outputs[:5]
-    assert all(o.num_draft_tokens > 0 for o in repetitive)
+    assert sum(o.num_draft_tokens for o in repetitive) > 0
     assert sum(o.num_accepted_draft_tokens for o in repetitive) > 0
     assert outputs[len(workload)].num_draft_tokens == 0  # penalties: never speculates
     assert_no_pages_held(spec)

@@ -15,8 +15,10 @@ host) run synchronously. Each ``step()`` still returns the outputs of exactly on
 Speculative decoding (``speculative_method``): the scheduler attaches proposals to decodes, the
 step verifies them, and ``complete_step`` appends the accepted ones plus the model's next token
 (several tokens in one output), then reports how many were accepted so the scheduler rolls the
-rest back. It runs synchronously: a proposal is made from every past token, so the step after
-one in flight could not propose anything (making proposals overlap the device is future work).
+rest back. A proposal is made from every past token, so a step that proposes is planned only
+after the step before it is back on the host (synchronously). Requests back off from proposing
+after a lookup found nothing or every proposal was rejected; while every running request is
+backing off, steps overlap as usual.
 """
 from __future__ import annotations
 
@@ -299,7 +301,7 @@ class LLMEngine:
         self.check_caller()
         current = self._in_flight or self.launch_step()
         self._in_flight = None
-        if current is not None and self._async_enabled() and self._can_plan_behind():
+        if current is not None and self._async_enabled() and self._can_plan_behind() and not current.plan.has_drafts:
             self._in_flight = self._launch_behind(current)
         return self.complete_step(current)
 
@@ -327,8 +329,8 @@ class LLMEngine:
     def _can_plan_behind(self) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
         when a request's sampling needs its whole history (penalties) on the host, nor with
-        speculative decoding (proposals are made from every past token)."""
-        if self.scheduler.proposer is not None:
+        speculative decoding while a running request wants a proposal (made from every past token)."""
+        if self.scheduler.proposer is not None and any(r.wants_proposal for r in self.scheduler.running):
             return False
         return not any(request.needs_host_history
                        for request in itertools.chain(self.scheduler.running, self.scheduler.waiting))

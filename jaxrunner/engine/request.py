@@ -56,6 +56,8 @@ class Request:
     # Speculative decoding: tokens proposed for this request, and those the model accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # Decode steps to skip before proposing again, after a proposal that found or got nothing.
+    spec_backoff: int = 0
 
     def __post_init__(self) -> None:
         # Own the list: the caller's prompt must not change under the prefix-cache hashes.
@@ -74,13 +76,23 @@ class Request:
         return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property
-    def can_speculate(self) -> bool:
+    def may_speculate(self) -> bool:
         """Whether proposals may be verified for this request: not when its sampling depends on
         outputs counted on the host (penalties, bad words, ``min_tokens`` bans) or it wants prompt
-        logprobs; and only with every past token on the host (the proposer reads them)."""
+        logprobs."""
         sp = self.sampling_params
-        return (not self.needs_host_history and sp.prompt_logprobs is None and self.num_pending_outputs == 0
-                and len(self.output_token_ids) >= sp.min_tokens)
+        return not self.needs_host_history and sp.prompt_logprobs is None and self.num_expected_outputs >= sp.min_tokens
+
+    @property
+    def wants_proposal(self) -> bool:
+        """It may speculate and is not backing off: its next decode should be proposed for, which
+        needs every past token on the host (the engine then waits for the step in flight)."""
+        return self.may_speculate and self.spec_backoff == 0
+
+    @property
+    def can_speculate(self) -> bool:
+        """It wants a proposal and every past token is on the host (the proposer reads them)."""
+        return self.wants_proposal and self.num_pending_outputs == 0
 
     @property
     def skips_prefix_cache(self) -> bool:

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from jaxrunner.engine.page_allocator import PageAllocator, cdiv
 from jaxrunner.engine.request import Request, RequestStatus
 
+# Decodes a request skips proposals for after a lookup found nothing or every proposal was rejected.
+SPEC_BACKOFF_STEPS = 8
+
 
 @dataclass
 class SchedulerConfig:
@@ -102,6 +105,11 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def has_drafts(self) -> bool:
+        """Some chunk verifies proposals: how many are accepted is known only once it ran."""
+        return any(chunk.draft_token_ids for chunk in self.chunks)
 
 
 class _StepBuilder:
@@ -234,6 +242,8 @@ class Scheduler:
             raise ValueError(f"num_accepted={num_accepted}: valid 0..{len(chunk.draft_token_ids)}")
         request.num_draft_tokens += len(chunk.draft_token_ids)
         request.num_accepted_draft_tokens += num_accepted
+        if num_accepted == 0:
+            request.spec_backoff = SPEC_BACKOFF_STEPS
         if request.status is not RequestStatus.RUNNING:
             return  # finished on one of this step's tokens: its pages are already freed
         request.num_computed_tokens += num_accepted
@@ -259,14 +269,21 @@ class Scheduler:
 
     def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
         """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
-        pages allow (none when any of them is short)."""
+        pages allow (none when any of them is short). A request whose lookup finds nothing backs
+        off for ``SPEC_BACKOFF_STEPS`` decodes, so that text with nothing to copy runs like
+        non-speculative decoding (async scheduling included) most of the time."""
+        if request.spec_backoff > 0:
+            request.spec_backoff -= 1
+            return []
         if step.spec_seqs_left <= 0 or not request.can_speculate or not step.has_prefill_slot(2):
             return []
         limit = min(step.token_budget - 1, request.max_tokens - request.num_expected_outputs - 1)
         if limit <= 0:
             return []
         draft = self.proposer.propose(request.all_token_ids, limit)
-        if draft and not self.allocator.can_append(request, 1 + len(draft)):
+        if not draft:
+            request.spec_backoff = SPEC_BACKOFF_STEPS
+        elif not self.allocator.can_append(request, 1 + len(draft)):
             return []
         return draft
 
