@@ -198,3 +198,40 @@ def test_vllm_speculative_config_maps_to_engine_options():
     assert options == {"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(ValueError, match="speculative_config: unknown key"):
         _engine_options({"speculative_config": {"method": "ngram", "model": "draft"}})
+
+
+# ----------------------------------------------------------------------------- scheduler rollback
+def test_rejected_proposals_are_rolled_back_in_the_scheduler():
+    """A verify chunk takes pages for the proposals and budget for them; after a rejection only the
+    known token counts as computed, the pages of rejected positions are free again and nothing
+    past the computed tokens is registered in the prefix cache."""
+    from jaxrunner.engine.page_allocator import PageAllocator
+    from jaxrunner.engine.request import Request
+    from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, page_size=4, num_pages=32,
+                             max_num_spec_seqs=8)
+    allocator = PageAllocator(config.num_pages, config.page_size)
+    scheduler = Scheduler(config, allocator, proposer=NgramProposer(3, 1, 3))
+    request = Request("r", [7, 8, 9, 10, 7, 8], SamplingParams(max_tokens=20))
+    scheduler.add(request)
+    scheduler.update(scheduler.schedule())        # the prompt: 6 tokens, 2 pages
+    request.append_output(9)                      # "7 8 9" occurred: propose 10 7 8
+    plan = scheduler.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.draft_token_ids == [10, 7, 8] and chunk.num_tokens == 4 and chunk.sample
+    assert plan.num_batched_tokens == 4 and len(request.page_ids) == 3  # positions 6..9 reach page 3
+    scheduler.update(plan)
+    assert request.num_computed_tokens == 7
+    request.append_output(5)                      # the model disagreed with the first proposal
+    scheduler.accept_drafts(chunk, 0)
+    assert request.num_computed_tokens == 7 and len(request.page_ids) == allocator.pages_for_tokens(8) == 2
+    assert request.spec_backoff > 0               # no proposal for the next few decodes
+    allocator.check_invariants([request])
+    assert len(allocator._page_by_key) == 1       # the one full page of computed tokens only
+    plan = scheduler.schedule()
+    assert plan.chunks[0].draft_token_ids == [] and plan.num_batched_tokens == 1
+    scheduler.update(plan)
+    scheduler.finish(request, "abort")
+    allocator.check_invariants([])
+    assert allocator.num_used_pages == 0
