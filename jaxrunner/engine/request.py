@@ -56,8 +56,10 @@ class Request:
     # Speculative decoding: tokens proposed for this request, and those the model accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
-    # Decode steps to skip before proposing again, after a proposal that found or got nothing.
+    # Decode steps to skip before proposing again, after a proposal that found or got nothing,
+    # and how many such proposals came in a row (the back-off doubles with each).
     spec_backoff: int = 0
+    num_failed_proposals: int = 0
 
     def __post_init__(self) -> None:
         # Own the list: the caller's prompt must not change under the prefix-cache hashes.

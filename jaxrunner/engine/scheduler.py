@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from jaxrunner.engine.page_allocator import PageAllocator, cdiv
 from jaxrunner.engine.request import Request, RequestStatus
 
-# Decodes a request skips proposals for after a lookup found nothing or every proposal was rejected.
+# Decodes a request skips proposals for after a lookup found nothing or every proposal was
+# rejected; doubled after each further failure in a row, up to the maximum.
 SPEC_BACKOFF_STEPS = 8
+MAX_SPEC_BACKOFF_STEPS = 32
 
 
 @dataclass
@@ -145,6 +147,12 @@ class _StepBuilder:
         return StepPlan(list(self.chunks.values()), self.preempted)
 
 
+def _back_off(request: Request) -> None:
+    """No proposals for the request's next decodes: 8, 16, ... after each failure in a row."""
+    request.spec_backoff = min(SPEC_BACKOFF_STEPS << request.num_failed_proposals, MAX_SPEC_BACKOFF_STEPS)
+    request.num_failed_proposals += 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None, proposer=None):
         """``proposer``: ``propose(token_ids, limit) -> [token ids]`` (``engine.spec_decode``), or
@@ -243,7 +251,9 @@ class Scheduler:
         request.num_draft_tokens += len(chunk.draft_token_ids)
         request.num_accepted_draft_tokens += num_accepted
         if num_accepted == 0:
-            request.spec_backoff = SPEC_BACKOFF_STEPS
+            _back_off(request)
+        else:
+            request.num_failed_proposals = 0
         if request.status is not RequestStatus.RUNNING:
             return  # finished on one of this step's tokens: its pages are already freed
         request.num_computed_tokens += num_accepted
@@ -270,8 +280,9 @@ class Scheduler:
     def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
         """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
         pages allow (none when any of them is short). A request whose lookup finds nothing backs
-        off for ``SPEC_BACKOFF_STEPS`` decodes, so that text with nothing to copy runs like
-        non-speculative decoding (async scheduling included) most of the time."""
+        off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures), so that text with
+        nothing to copy runs like non-speculative decoding (async scheduling included) most of the
+        time."""
         if request.spec_backoff > 0:
             request.spec_backoff -= 1
             return []
@@ -282,7 +293,7 @@ class Scheduler:
             return []
         draft = self.proposer.propose(request.all_token_ids, limit)
         if not draft:
-            request.spec_backoff = SPEC_BACKOFF_STEPS
+            _back_off(request)
         elif not self.allocator.can_append(request, 1 + len(draft)):
             return []
         return draft
