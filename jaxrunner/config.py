@@ -16,6 +16,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (None, "float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "pallas", "jax_tpu", "xla", "native", "reference")
 WARMUP_INPUTS = ("random", "zeros")
+SPECULATIVE_METHODS = (None, "ngram")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # 1 + 3 query tokens fill the 4-token bucket a batch-1 decode already has
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
 
 
 @dataclasses.dataclass
@@ -46,6 +50,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # devices that split one model (heads, MLP, vocabulary)
     data_parallel_size: int = 1             # independent engine replicas, each on its own devices
     progress: bool = True
+    # Speculative decoding, like vLLM's speculative_config: "ngram" proposes the tokens that followed
+    # the last occurrence of the most recent n tokens (n from prompt_lookup_max down to _min).
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None   # default DEFAULT_NUM_SPECULATIVE_TOKENS with a method
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -69,10 +79,35 @@ class EngineConfig:
         from jaxrunner.models.quant import check_quantization  # the formats live with the quantization code
 
         check_quantization(self.quantization, self.quantization_group_size)
+        self._check_speculative()
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"EngineConfig.max_num_seqs ({self.max_num_seqs}) exceeds "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}); valid: "
                              f"max_num_seqs <= max_num_batched_tokens")
+
+    def _check_speculative(self) -> None:
+        _check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        names = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        for name in names:
+            setattr(self, name, _check_int(name, getattr(self, name), 1, optional=True))
+        if self.speculative_method is None:
+            given = [name for name in names if getattr(self, name) is not None]
+            if given:
+                raise _invalid(given[0], getattr(self, given[0]), "None unless speculative_method is set "
+                               f"(one of {', '.join(repr(m) for m in SPECULATIVE_METHODS[1:])})")
+            return
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = max(DEFAULT_PROMPT_LOOKUP_MAX, self.prompt_lookup_min or 1)
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = min(DEFAULT_PROMPT_LOOKUP_MIN, self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise _invalid("prompt_lookup_min", self.prompt_lookup_min,
+                           f"an integer in [1, prompt_lookup_max={self.prompt_lookup_max}]")
+        if self.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise _invalid("num_speculative_tokens", self.num_speculative_tokens,
+                           f"an integer in [1, max_num_batched_tokens={self.max_num_batched_tokens})")
 
 
 def _invalid(name: str, value, valid: str) -> ValueError:

@@ -347,6 +347,8 @@ def _engine_options(options: dict) -> dict:
         if eager:
             logger.info("enforce_eager=True has no effect: jaxrunner compiles every bucket at start-up "
                         "and never compiles while serving")
+    if "speculative_config" in options:
+        options.update(_speculative_options(options.pop("speculative_config"), options))
     for vllm_name, name in VLLM_NAMES.items():
         if vllm_name in options:
             if name in options:
@@ -354,10 +356,33 @@ def _engine_options(options: dict) -> dict:
             options[name] = options.pop(vllm_name)
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
     if unknown:
-        valid = sorted({f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_NAMES) | {"enforce_eager",
-                                                                                               "tokenizer"})
+        valid = sorted({f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_NAMES) | {
+            "enforce_eager", "tokenizer", "speculative_config"})
         raise ValueError(f"LLM: unknown option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     return options
+
+
+# vLLM's speculative_config keys -> EngineConfig fields
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+
+
+def _speculative_options(config, options: dict) -> dict:
+    """vLLM's ``speculative_config`` dict as EngineConfig fields (their values are checked there)."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ValueError(f"LLM.speculative_config: invalid value {config!r}; valid: a dict with keys "
+                         f"{', '.join(SPECULATIVE_CONFIG_KEYS)}, or None")
+    unknown = sorted(set(config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"LLM.speculative_config: unknown key(s) {', '.join(map(str, unknown))}; valid: "
+                         f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+    mapped = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in config.items()}
+    both = sorted(set(mapped) & set(options))
+    if both:
+        raise ValueError(f"LLM: {both[0]!r} given both directly and in speculative_config")
+    return mapped
 
 
 def _load_tokenizer(path: str):

@@ -46,3 +46,11 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs=k: per prompt token, the token and the top-k; None at
     # position 0 (nothing predicts the first token), as in vLLM.
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    # Speculative decoding: tokens proposed for this request so far, and those the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens (None when nothing was proposed)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None

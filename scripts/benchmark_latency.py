@@ -13,6 +13,15 @@ transformers (``--compare hf``) runs the same batch as one static ``generate`` c
 time of ``generate(max_new_tokens=1)``, end-to-end that of ``generate(max_new_tokens=n)``, TPOT =
 (e2e − TTFT) / (n − 1); percentiles are over repetitions. It runs in its own process (JAX's CPU
 threads slow torch down when they share one). Greedy, EOS ignored, random token prompts.
+
+Speculative decoding: ``--speculative-method ngram`` serves with n-gram proposals;
+``--compare-speculation`` also starts an engine without them and alternates the two, repetition
+by repetition. ``--prompt-kind repeat`` asks the model (chat template) to repeat a list given in
+the prompt, where proposals from the prompt pay; ``free`` asks for new text, where they rarely do
+(both ignore ``--input-lens``: the prompt is the text's length). Rows report the acceptance rate.
+
+    python scripts/benchmark_latency.py --batch-sizes 1 --output-lens 128 --prompt-kind repeat \
+        --speculative-method ngram --compare-speculation
 """
 from __future__ import annotations
 
@@ -42,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-repetitions", type=int, default=1, help="unmeasured repetitions first")
     parser.add_argument("--compare", choices=["none", "hf"], default="none",
                         help="also measure transformers' generate on the same batches")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-method", choices=["ngram"], default=None, help="propose tokens this way")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per step")
+    spec.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram looked up")
+    spec.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram looked up")
+    spec.add_argument("--compare-speculation", action="store_true",
+                      help="also run without speculation, alternating repetitions with the speculative engine")
+    parser.add_argument("--prompt-kind", default="random",
+                        help="random (token prompts), repeat (a chat prompt asking to repeat a list), free (one "
+                             "asking for new text), or several, comma-separated")
     common.add_hf_args(parser)
     common.add_engine_args(parser)
     common.add_output_args(parser, KIND)
@@ -58,44 +77,84 @@ def _summary(ttft: list[float], tpot: list[float], e2e: list[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------- jaxrunner
-def measure_jaxrunner(engine, batch_size: int, input_len: int, output_len: int, repetitions: int,
-                      rng: np.random.Generator, warmup_repetitions: int = 1) -> dict:
-    """TTFT/TPOT/e2e of ``batch_size`` requests submitted together, over ``repetitions`` runs."""
+# capitalized as the model writes list items, so that a faithful copy is token-identical
+REPEAT_ITEMS = ["Apples", "Bread", "Milk", "Eggs", "Butter", "Cheese", "Tomatoes", "Onions", "Rice", "Pasta",
+                "Coffee", "Tea", "Sugar", "Salt", "Pepper", "Olive oil", "Lemons", "Garlic", "Carrots", "Potatoes",
+                "Chicken", "Yogurt", "Honey", "Oranges", "Spinach", "Beans", "Flour", "Cereal", "Juice", "Soap"]
+CHAT_PROMPTS = {
+    "repeat": "Repeat the following shopping list exactly, one item per line, numbered:\n"
+              + "\n".join(f"{i}. {item}" for i, item in enumerate(REPEAT_ITEMS, start=1)),
+    "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+PROMPT_KINDS = ("random", *CHAT_PROMPTS)
+
+
+def make_prompts(kind: str, tokenizer, rng: np.random.Generator, batch_size: int, input_len: int) -> list[list[int]]:
+    """``batch_size`` prompts of ``kind``: fresh random tokens (no prefix-cache hits), or a chat text."""
+    if kind == "random":
+        vocab, low = common.tokenizer_vocab(tokenizer)
+        return common.random_prompts(rng, [input_len] * batch_size, vocab, low)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[kind]}], tokenize=False,
+                                         add_generation_prompt=True)
+    return [list(tokenizer.encode(text, add_special_tokens=False))] * batch_size
+
+
+def run_batch(engine, prompts: list[list[int]], params) -> tuple[list, list, list, list]:
+    """Submit the prompts together and step until they finish: per request TTFT, TPOT, e2e, and
+    the (proposed, accepted) speculative tokens."""
+    ids = [f"latency-{next(_ids)}" for _ in prompts]
+    first, last, count, drafts = {}, {}, {}, {}
+    submitted = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    pending = set(ids)
+    while pending:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id not in pending:
+                continue
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            count[out.request_id] = len(out.outputs[0].token_ids)
+            drafts[out.request_id] = (out.num_draft_tokens, out.num_accepted_draft_tokens)
+            if out.finished:
+                pending.discard(out.request_id)
+        if not outputs and not engine.has_unfinished_requests():
+            raise RuntimeError(f"requests {sorted(pending)} vanished without finishing")
+    ttft = [first[i] - submitted for i in ids]
+    e2e = [last[i] - submitted for i in ids]
+    tpot = [(last[i] - first[i]) / (count[i] - 1) for i in ids if count[i] > 1]
+    return ttft, tpot, e2e, [drafts[i] for i in ids]
+
+
+def measure_jaxrunner(engines: dict, batch_size: int, input_len: int, output_len: int, repetitions: int,
+                      rng: np.random.Generator, warmup_repetitions: int = 1, prompt_kind: str = "random") -> dict:
+    """TTFT/TPOT/e2e of ``batch_size`` requests submitted together, over ``repetitions`` runs, per
+    engine (``{name: engine}``); several engines alternate, each running the same prompts in turn."""
     from jaxrunner import SamplingParams
 
-    vocab, low = common.tokenizer_vocab(engine.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    ttft, tpot, e2e = [], [], []
+    tokenizer = next(iter(engines.values())).tokenizer
+    times = {name: ([], [], [], []) for name in engines}
+    prompt_len = input_len
     for rep in range(warmup_repetitions + repetitions):
-        prompts = common.random_prompts(rng, [input_len] * batch_size, vocab, low)  # fresh: no prefix-cache hits
-        ids = [f"latency-{next(_ids)}" for _ in prompts]
-        first, last, count = {}, {}, {}
-        submitted = time.perf_counter()
-        for request_id, prompt in zip(ids, prompts):
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        pending = set(ids)
-        while pending:
-            outputs = engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                if out.request_id not in pending:
-                    continue
-                first.setdefault(out.request_id, now)
-                last[out.request_id] = now
-                count[out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    pending.discard(out.request_id)
-            if not outputs and not engine.has_unfinished_requests():
-                raise RuntimeError(f"requests {sorted(pending)} vanished without finishing")
-        if rep < warmup_repetitions:
-            continue
-        for request_id in ids:
-            ttft.append(first[request_id] - submitted)
-            e2e.append(last[request_id] - submitted)
-            n = count[request_id]
-            if n > 1:
-                tpot.append((last[request_id] - first[request_id]) / (n - 1))
-    return _summary(ttft, tpot, e2e)
+        prompts = make_prompts(prompt_kind, tokenizer, rng, batch_size, input_len)
+        prompt_len = len(prompts[0])
+        for name, engine in engines.items():
+            if prompt_kind != "random":  # the same text each time: measure computing it, not the cache
+                engine.scheduler.allocator.reset_prefix_cache()
+            measured = run_batch(engine, prompts, params)
+            if rep >= warmup_repetitions:
+                for into, values in zip(times[name], measured):
+                    into.extend(values)
+    summaries = {}
+    for name, (ttft, tpot, e2e, drafts) in times.items():
+        proposed, accepted = sum(d for d, _ in drafts), sum(a for _, a in drafts)
+        summaries[name] = dict(_summary(ttft, tpot, e2e), prompt_len=prompt_len, num_draft_tokens=proposed,
+                               num_accepted_draft_tokens=accepted,
+                               spec_acceptance_rate=accepted / proposed if proposed else None)
+    return summaries
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -144,7 +203,7 @@ def _hf_work(hf_model, pad_id: int, spec: dict) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- report
-TABLE_HEADERS = ["engine", "batch", "in", "out", "TTFT p50 ms", "p90", "p99", "TPOT p50 ms", "p90", "p99",
+TABLE_HEADERS = ["engine", "prompt", "accepted", "batch", "in", "out", "TTFT p50 ms", "p90", "p99", "TPOT p50 ms", "p90", "p99",
                  "E2E p50 s", "p90", "p99"]
 
 
@@ -152,17 +211,23 @@ def table_rows(rows: list[dict]) -> list[list]:
     out = []
     for r in rows:
         t, p, e = r["ttft_s"], r["tpot_s"], r["e2e_s"]
-        out.append([r["engine"], r["batch_size"], r["input_len"], r["output_len"],
+        rate = r.get("spec_acceptance_rate")
+        out.append([r["engine"], r.get("prompt_kind", "random"), "-" if rate is None else f"{rate:.0%}", r["batch_size"], r["input_len"], r["output_len"],
                     common.ms(t["p50"]), common.ms(t["p90"]), common.ms(t["p99"]),
                     common.ms(p["p50"]), common.ms(p["p90"]), common.ms(p["p99"]),
                     e["p50"], e["p90"], e["p99"]])
     return out
 
 
+def _label(row: dict) -> str:
+    kind = row.get("prompt_kind", "random")
+    return ("" if kind == "random" else f"{kind} ") + f"b{row['batch_size']} in{row['input_len']} out{row['output_len']}"
+
+
 def plot(path: str, rows: list[dict], title: str) -> str:
     labels, seen = [], set()
     for r in rows:
-        label = f"b{r['batch_size']} in{r['input_len']} out{r['output_len']}"
+        label = _label(r)
         if label not in seen:
             seen.add(label)
             labels.append(label)
@@ -172,7 +237,7 @@ def plot(path: str, rows: list[dict], title: str) -> str:
         values = {e: [None] * len(labels) for e in engines}
         for r in rows:
             v = r[metric]["p50"]
-            values[r["engine"]][labels.index(f"b{r['batch_size']} in{r['input_len']} out{r['output_len']}")] = \
+            values[r["engine"]][labels.index(_label(r))] = \
                 None if v is None else v * scale
         return values
 
@@ -188,30 +253,54 @@ def main(argv=None) -> int:
         return common.hf_worker_main(args.hf_worker, _hf_work)
     batch_sizes = common.parse_int_list(args.batch_sizes, "--batch-sizes")
     input_lens = common.parse_int_list(args.input_lens, "--input-lens")
+    prompt_kinds = args.prompt_kind.split(",")
+    for kind in prompt_kinds:
+        if kind not in PROMPT_KINDS:
+            raise common.BenchError(f"--prompt-kind {kind!r}: valid: {', '.join(PROMPT_KINDS)} (comma-separated)")
     output_lens = common.parse_int_list(args.output_lens, "--output-lens")
     if args.repetitions < 1 or args.warmup_repetitions < 0:
         raise common.BenchError("--repetitions must be >= 1 and --warmup-repetitions >= 0")
     if args.compare == "hf":
+        if prompt_kinds != ["random"]:
+            raise common.BenchError("--compare hf measures random token prompts only (--prompt-kind random)")
         common.hf_spec(args.model, args.hf_threads)
     progress = common.show_progress(args)
-    options = common.engine_options(args, max_total_len=max(input_lens) + max(output_lens),
+    prompt_room = max(input_lens + [512] * any(kind != "random" for kind in prompt_kinds))
+    options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
                                     max_concurrency=max(batch_sizes))
+    spec_options = {name: getattr(args, name) for name in ("num_speculative_tokens", "prompt_lookup_max",
+                                                           "prompt_lookup_min") if getattr(args, name) is not None}
+    if args.speculative_method is None and (spec_options or args.compare_speculation):
+        raise common.BenchError("--num-speculative-tokens, --prompt-lookup-* and --compare-speculation need "
+                                "--speculative-method")
     if max(batch_sizes) > options["max_num_seqs"]:
         print(f"note: batch sizes above --max-num-seqs {options['max_num_seqs']} queue inside the engine",
               file=sys.stderr)
 
     from tqdm.auto import tqdm
 
-    llm, startup_s = common.start_llm(args.model, options)
+    llms = {}
+    if args.speculative_method is None or args.compare_speculation:
+        llms["jaxrunner"] = common.start_llm(args.model, options)
+    if args.speculative_method is not None:
+        llms[f"jaxrunner+{args.speculative_method}"] = common.start_llm(
+            args.model, dict(options, speculative_method=args.speculative_method, **spec_options))
+    # a chat text sets the prompt's length: one input length for it
+    workloads = [(kind, combo) for kind in prompt_kinds
+                 for combo in combinations(batch_sizes, input_lens if kind == "random" else input_lens[:1], output_lens)]
     combos = combinations(batch_sizes, input_lens, output_lens)
     rng = np.random.default_rng(args.seed)
     rows = []
-    for b, i, o in tqdm(combos, desc="jaxrunner latency", disable=not progress):
-        summary = measure_jaxrunner(llm.engine, b, i, o, args.repetitions, rng, args.warmup_repetitions)
-        rows.append({"engine": "jaxrunner", "batch_size": b, "input_len": i, "output_len": o, **summary})
+    for kind, (b, i, o) in tqdm(workloads, desc="jaxrunner latency", disable=not progress):
+        summaries = measure_jaxrunner({name: llm.engine for name, (llm, _) in llms.items()}, b, i, o,
+                                      args.repetitions, rng, args.warmup_repetitions, kind)
+        rows.extend({"engine": name, "prompt_kind": kind, "batch_size": b, "input_len": summary.pop("prompt_len"),
+                     "output_len": o, **summary} for name, summary in summaries.items())
+    name, (llm, startup_s) = next(iter(llms.items()))
     startup = dict(common.startup_summary(llm), total_s=startup_s)
     vocab, low = common.tokenizer_vocab(llm.get_tokenizer())
-    del llm
+    engine_options = {name: llm.engine.config.__dict__ for name, (llm, _) in llms.items()}
+    del llm, llms
 
     hf_info = None
     if args.compare == "hf":
@@ -221,13 +310,17 @@ def main(argv=None) -> int:
 
     config = {"model": args.model, "batch_sizes": batch_sizes, "input_lens": input_lens, "output_lens": output_lens,
               "repetitions": args.repetitions, "warmup_repetitions": args.warmup_repetitions, "seed": args.seed,
-              "compare": args.compare, "engine": options,
+              "compare": args.compare, "engine": options, "prompt_kind": args.prompt_kind,
+              "speculative": {"method": args.speculative_method, **spec_options,
+                              "compare_speculation": args.compare_speculation},
+              "engines": engine_options,
               "method": {"jaxrunner": "engine.add_request × batch, then engine.step() with a timestamp per output; "
                                       "percentiles over all requests of all repetitions",
                          "hf": "one static generate per batch; percentiles over repetitions"}}
     payload = {"config": config, "startup": startup, "transformers": hf_info, "results": rows}
     title = f"latency: {args.model}, {args.repetitions} repetitions"
-    common.write_results(args, KIND, payload, plot, rows, title)
+    # a with/without-speculation comparison is its own kind of result, beside the plain latency one
+    common.write_results(args, "speculative" if args.compare_speculation else KIND, payload, plot, rows, title)
     common.print_table(TABLE_HEADERS, table_rows(rows), title)
     return 0
 

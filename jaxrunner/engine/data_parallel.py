@@ -130,8 +130,10 @@ class DataParallelEngine:
     def stats(self) -> dict:
         per_replica = [r.stats() for r in self.replicas]
         summed = ("num_steps", "prefix_cache_hit_tokens", "num_preemptions", "pages_in_use", "pages_total",
-                  "num_unfinished")
+                  "num_unfinished", "num_draft_tokens", "num_accepted_draft_tokens")
         stats = {key: sum(s[key] for s in per_replica) for key in summed}
+        stats["spec_acceptance_rate"] = (stats["num_accepted_draft_tokens"] / stats["num_draft_tokens"]
+                                         if stats["num_draft_tokens"] else None)
         stats.update(tokens_per_step=[t for s in per_replica for t in s["tokens_per_step"]],
                      max_pages_per_seq=per_replica[0]["max_pages_per_seq"], replicas=per_replica)
         return stats

@@ -11,6 +11,14 @@ counts them as pending (``Request.expect_output``). A request that stops at step
 string) has one wasted token computed in N+1, which is dropped; one that reaches ``max_tokens``
 is not scheduled again. Steps whose requests use penalties (which need every past token on the
 host) run synchronously. Each ``step()`` still returns the outputs of exactly one step.
+
+Speculative decoding (``speculative_method``): the scheduler attaches proposals to decodes, the
+step verifies them, and ``complete_step`` appends the accepted ones plus the model's next token
+(several tokens in one output), then reports how many were accepted so the scheduler rolls the
+rest back. A proposal is made from every past token, so a step that proposes is planned only
+after the step before it is back on the host (synchronously). Requests back off from proposing
+after a lookup found nothing or every proposal was rejected; while every running request is
+backing off, steps overlap as usual.
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ from jaxrunner.config import EngineConfig
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.page_allocator import PageAllocator
 from jaxrunner.engine.request import Request
-from jaxrunner.engine.scheduler import Scheduler, SchedulerConfig
+from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from jaxrunner.engine.spec_decode import NgramProposer
 from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_model
@@ -36,6 +45,7 @@ from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOu
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner import weights
 from jaxrunner.runner.batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, pack_step
+from jaxrunner.runner.buckets import MAX_SPEC_SEQS
 from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.sampling_params import SamplingParams
 
@@ -99,6 +109,7 @@ class _PendingStep:
     plan: object             # the scheduler's StepPlan
     device_outputs: dict     # the runner's sampled arrays, possibly still being computed
     updated: bool = False    # the scheduler already counted its tokens as computed (async)
+    num_seq_rows: int = 0    # the bucket's sequences: draft rows' outputs follow theirs
 
 
 class LLMEngine:
@@ -124,16 +135,25 @@ class LLMEngine:
                             max_model_len=self.max_model_len, page_size=spec.page_size, num_pages=spec.num_pages,
                             enable_prefix_caching=config.enable_prefix_caching,
                             enable_chunked_prefill=config.enable_chunked_prefill,
-                            max_num_prefill_seqs=config.max_num_prefill_seqs),
-            PageAllocator(spec.num_pages, spec.page_size, config.enable_prefix_caching))
+                            max_num_prefill_seqs=config.max_num_prefill_seqs, max_num_spec_seqs=MAX_SPEC_SEQS),
+            PageAllocator(spec.num_pages, spec.page_size, config.enable_prefix_caching),
+            proposer=self._proposer(config))
         self.eos_token_ids = self._eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         # recent steps only: a long-running server must not grow a list per step forever
         self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
         self.num_steps = 0
+        self.num_draft_tokens = 0           # speculative decoding: tokens proposed, over all requests
+        self.num_accepted_draft_tokens = 0  # and those accepted
         self._in_flight: _PendingStep | None = None  # async scheduling: dispatched, not yet waited for
         self.owner_thread: threading.Thread | None = None  # set while an engine loop owns the engine
+
+    @staticmethod
+    def _proposer(config: EngineConfig) -> NgramProposer | None:
+        if config.speculative_method == "ngram":
+            return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return None
 
     @classmethod
     def from_config(cls, **kwargs) -> "LLMEngine":
@@ -281,7 +301,7 @@ class LLMEngine:
         self.check_caller()
         current = self._in_flight or self.launch_step()
         self._in_flight = None
-        if current is not None and self._async_enabled() and self._can_plan_behind():
+        if current is not None and self._async_enabled() and self._can_plan_behind() and not current.plan.has_drafts:
             self._in_flight = self._launch_behind(current)
         return self.complete_step(current)
 
@@ -300,7 +320,7 @@ class LLMEngine:
         bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
         batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids,
                           self.config.max_num_prefill_seqs, feed_rows)
-        return _PendingStep(plan, self.runner.dispatch(bucket, batch))
+        return _PendingStep(plan, self.runner.dispatch(bucket, batch), num_seq_rows=bucket.num_seqs)
 
     def _async_enabled(self) -> bool:
         # several processes run one deterministic schedule each; keep them in lockstep, synchronously
@@ -308,7 +328,10 @@ class LLMEngine:
 
     def _can_plan_behind(self) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
-        when a request's sampling needs its whole history (penalties) on the host."""
+        when a request's sampling needs its whole history (penalties) on the host, nor with
+        speculative decoding while a running request wants a proposal (made from every past token)."""
+        if self.scheduler.proposer is not None and any(r.wants_proposal for r in self.scheduler.running):
+            return False
         return not any(request.needs_host_history
                        for request in itertools.chain(self.scheduler.running, self.scheduler.waiting))
 
@@ -339,14 +362,48 @@ class LLMEngine:
         # chunk.sample was fixed when the plan was made, so appending tokens below cannot change it.
         # A request finished or aborted since the plan was made gets nothing (async: its stop was
         # only seen after this step had been dispatched).
-        return [self._accept_token(chunk.request, sampled, row) for row, chunk in enumerate(plan.chunks)
-                if chunk.sample and not chunk.request.is_finished]
+        outputs, draft_row = [], pending.num_seq_rows
+        for row, chunk in enumerate(plan.chunks):
+            if chunk.sample and not chunk.request.is_finished:
+                outputs.append(self._accept_chunk(chunk, sampled, row, draft_row))
+            draft_row += len(chunk.draft_token_ids)
+        return outputs
 
     def num_unfinished_requests(self) -> int:
         return len(self._tracked)
 
-    def _accept_token(self, request: Request, sampled, row: int) -> RequestOutput:
+    def _accept_chunk(self, chunk: ScheduledChunk, sampled, row: int, draft_row: int) -> RequestOutput:
+        """Append the chunk's sampled token; with proposals, the rows verifying them first: each
+        token is kept, and the walk goes on only while it equals the proposal it checked (then the
+        proposal's KV is right). One output carries every token appended."""
+        request, draft = chunk.request, chunk.draft_token_ids
         tracked = self._tracked[request.request_id]
+        rows = list(range(draft_row, draft_row + len(draft))) + [row]
+        num_accepted = 0
+        for index, sampled_row in enumerate(rows):
+            token, reason = self._append_token(tracked, sampled, sampled_row)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                break
+            if index == len(draft) or token != draft[index]:
+                break
+            num_accepted += 1
+        if draft:
+            self.num_draft_tokens += len(draft)
+            self.num_accepted_draft_tokens += num_accepted
+            self.scheduler.accept_drafts(chunk, num_accepted)
+        return self._output_of(tracked)
+
+    def _output_of(self, tracked: _Tracked) -> RequestOutput:
+        finished = tracked.request.is_finished
+        output = self._output(tracked, tracked.detokenizer.take_delta(finished=finished))
+        if finished:
+            del self._tracked[tracked.request.request_id]
+        return output
+
+    def _append_token(self, tracked: _Tracked, sampled, row: int) -> tuple[int, str | None]:
+        """Append the token of ``row`` with its logprobs; returns it and the finish reason (or None)."""
+        request = tracked.request
         token = int(sampled["tokens"][row])
         request.append_output(token)
         delta_len = tracked.detokenizer.append(token)
@@ -356,13 +413,7 @@ class LLMEngine:
             tracked.logprobs.append(self._logprobs_dict(
                 token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
                 sampled["top_ids"][row], sampled["top_logprobs"][row]))
-        reason = self._finish_reason(tracked, token, delta_len)
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-        output = self._output(tracked, tracked.detokenizer.take_delta(finished=reason is not None))
-        if reason is not None:
-            del self._tracked[request.request_id]
-        return output
+        return token, self._finish_reason(tracked, token, delta_len)
 
     def _accept_prompt_logprobs(self, plan, sampled) -> None:
         """Record the prompt logprobs a step computed: the row of prompt position p holds those of
@@ -414,7 +465,9 @@ class LLMEngine:
             finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
         return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
-                             delta_text=delta, prompt_logprobs=tracked.prompt_logprobs)
+                             delta_text=delta, prompt_logprobs=tracked.prompt_logprobs,
+                             num_draft_tokens=request.num_draft_tokens,
+                             num_accepted_draft_tokens=request.num_accepted_draft_tokens)
 
     # ------------------------------------------------------------------ weights
     @property
@@ -455,4 +508,8 @@ class LLMEngine:
             "pages_total": self.runner.cache_spec.num_pages,
             "num_unfinished": sum(1 for t in self._tracked.values() if not t.request.is_finished),
             "max_pages_per_seq": math.ceil(self.max_model_len / self.runner.cache_spec.page_size),
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "spec_acceptance_rate": (self.num_accepted_draft_tokens / self.num_draft_tokens
+                                     if self.num_draft_tokens else None),
         }

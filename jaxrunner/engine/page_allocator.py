@@ -199,6 +199,14 @@ class PageAllocator:
 
     # -- release ------------------------------------------------------------------------------
 
+    def release_tail(self, request: Request, num_tokens: int) -> None:
+        """Speculative rollback: keep only the pages that ``num_tokens`` tokens need. Pages that held
+        nothing but rejected proposals go back to the free list; they were never registered
+        (``commit_full_pages`` stops at ``num_computed_tokens``, which counts accepted tokens only)."""
+        keep = self.pages_for_tokens(num_tokens)
+        while len(request.page_ids) > keep:
+            self._release_page(request.page_ids.pop())
+
     def free(self, request: Request) -> None:
         """Drop the request's hold on all its pages and clear ``page_ids``.
 

@@ -53,6 +53,13 @@ class Request:
     # Tokens sampled by a step still on the device: counted in num_tokens, not yet in
     # output_token_ids (the next step reads them on the device). At most one under async scheduling.
     num_pending_outputs: int = 0
+    # Speculative decoding: tokens proposed for this request, and those the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    # Decode steps to skip before proposing again, after a proposal that found or got nothing,
+    # and how many such proposals came in a row (the back-off doubles with each).
+    spec_backoff: int = 0
+    num_failed_proposals: int = 0
 
     def __post_init__(self) -> None:
         # Own the list: the caller's prompt must not change under the prefix-cache hashes.
@@ -69,6 +76,25 @@ class Request:
         and bad words of several tokens (their prefix is matched against the output). Such requests
         take the synchronous path: async scheduling waits for the step in flight."""
         return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether proposals may be verified for this request: not when its sampling depends on
+        outputs counted on the host (penalties, bad words, ``min_tokens`` bans) or it wants prompt
+        logprobs."""
+        sp = self.sampling_params
+        return not self.needs_host_history and sp.prompt_logprobs is None and self.num_expected_outputs >= sp.min_tokens
+
+    @property
+    def wants_proposal(self) -> bool:
+        """It may speculate and is not backing off: its next decode should be proposed for, which
+        needs every past token on the host (the engine then waits for the step in flight)."""
+        return self.may_speculate and self.spec_backoff == 0
+
+    @property
+    def can_speculate(self) -> bool:
+        """It wants a proposal and every past token is on the host (the proposer reads them)."""
+        return self.wants_proposal and self.num_pending_outputs == 0
 
     @property
     def skips_prefix_cache(self) -> bool:

@@ -18,6 +18,13 @@ The scheduler only counts tokens. The engine appends sampled tokens, checks stop
 calls ``finish``. Under async scheduling a request's last sampled token may still be on the device
 (``Request.num_pending_outputs``): it counts as a token to compute like any other, and a request
 whose pending token is its last (``max_tokens``) is not scheduled again.
+
+Speculative decoding (with a ``proposer``): a decode whose request can speculate gets the proposer's
+guesses as ``ScheduledChunk.draft_token_ids``, computed in the same chunk (1 + k query tokens, a
+small prefill chunk, so it takes a prefill slot), and they count against the token budget. Pages
+are only taken for them when free ones are there (no preemption for a guess). ``update`` counts only
+the known tokens as computed; the engine reports the accepted guesses with ``accept_drafts``, which
+also hands back the pages of rejected positions.
 """
 from __future__ import annotations
 
@@ -26,6 +33,11 @@ from dataclasses import dataclass, field
 
 from jaxrunner.engine.page_allocator import PageAllocator, cdiv
 from jaxrunner.engine.request import Request, RequestStatus
+
+# Decodes a request skips proposals for after a lookup found nothing or every proposal was
+# rejected; doubled after each further failure in a row, up to the maximum.
+SPEC_BACKOFF_STEPS = 8
+MAX_SPEC_BACKOFF_STEPS = 32
 
 
 @dataclass
@@ -40,6 +52,8 @@ class SchedulerConfig:
     # Most chunks of more than one token in a step (None: no limit). The CPU attention runs
     # decodes and prefill chunks in separate passes and sizes the prefill pass by this bound.
     max_num_prefill_seqs: int | None = None
+    # Most requests whose proposals are verified in one step (their rows are a fixed bucket width).
+    max_num_spec_seqs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -60,15 +74,21 @@ class ScheduledChunk:
 
     ``sample`` is true when the chunk reaches the end of the request's known tokens, so the row of
     its last token is sampled. It is fixed when the chunk is planned: it stays right after the
-    engine appends the sampled token.
+    engine appends the sampled token. ``draft_token_ids`` are proposed tokens computed after the
+    known ones (counted in ``num_tokens``); each of their rows is sampled too, to verify them.
     """
     request: Request
     start: int
     num_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
     sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sample = self.start + self.num_tokens == self.request.num_tokens
+        self.sample = self.start + self.num_known_tokens == self.request.num_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - len(self.draft_token_ids)
 
     @property
     def end(self) -> int:
@@ -88,37 +108,55 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def has_drafts(self) -> bool:
+        """Some chunk verifies proposals: how many are accepted is known only once it ran."""
+        return any(chunk.draft_token_ids for chunk in self.chunks)
+
 
 class _StepBuilder:
     """A step being planned: its chunks (one per request) and the token budget left."""
 
-    def __init__(self, token_budget: int, max_prefills: int | None):
+    def __init__(self, token_budget: int, max_prefills: int | None, max_spec_seqs: int = 0):
         self.token_budget = token_budget
         self.max_prefills = max_prefills
         self.num_prefills = 0  # chunks of more than one token
+        self.spec_seqs_left = max_spec_seqs
         self.chunks: dict[Request, ScheduledChunk] = {}  # insertion order is batch order
         self.preempted: list[Request] = []
 
     def has_prefill_slot(self, num_tokens: int) -> bool:
         return num_tokens <= 1 or self.max_prefills is None or self.num_prefills < self.max_prefills
 
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.chunks[request] = ScheduledChunk(request, request.num_computed_tokens, num_tokens)
+    def add(self, request: Request, num_tokens: int, draft_token_ids: list[int] | None = None) -> None:
+        draft = list(draft_token_ids or ())
+        num_tokens += len(draft)
+        self.chunks[request] = ScheduledChunk(request, request.num_computed_tokens, num_tokens, draft)
         self.token_budget -= num_tokens
         self.num_prefills += num_tokens > 1
+        self.spec_seqs_left -= bool(draft)
 
     def remove(self, request: Request) -> None:
         chunk = self.chunks.pop(request, None)
         if chunk is not None:
             self.token_budget += chunk.num_tokens
             self.num_prefills -= chunk.num_tokens > 1
+            self.spec_seqs_left += bool(chunk.draft_token_ids)
 
     def build(self) -> StepPlan:
         return StepPlan(list(self.chunks.values()), self.preempted)
 
 
+def _back_off(request: Request) -> None:
+    """No proposals for the request's next decodes: 8, 16, ... after each failure in a row."""
+    request.spec_backoff = min(SPEC_BACKOFF_STEPS << request.num_failed_proposals, MAX_SPEC_BACKOFF_STEPS)
+    request.num_failed_proposals += 1
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None, proposer=None):
+        """``proposer``: ``propose(token_ids, limit) -> [token ids]`` (``engine.spec_decode``), or
+        None for no speculative decoding."""
         if allocator is None:
             allocator = PageAllocator(config.num_pages, config.page_size,
                                       config.enable_prefix_caching)
@@ -128,6 +166,7 @@ class Scheduler:
                 f"config says {config.num_pages} of {config.page_size}")
         self.config = config
         self.allocator = allocator
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._unfinished: dict[str, Request] = {}
@@ -180,7 +219,8 @@ class Scheduler:
     # -- planning a step ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs)
+        step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs,
+                            self.config.max_num_spec_seqs if self.proposer is not None else 0)
         self._schedule_running(step)
         if not step.preempted:  # pages are short: don't let newcomers take what was just freed
             self._admit_waiting(step)
@@ -199,8 +239,26 @@ class Scheduler:
             if chunk.start != request.num_computed_tokens:
                 raise RuntimeError(f"plan for {request.request_id!r} is stale "
                                    "(update called twice, or out of order?)")
-            request.num_computed_tokens += chunk.num_tokens
+            request.num_computed_tokens += chunk.num_known_tokens
             self.allocator.commit_full_pages(request)
+
+    def accept_drafts(self, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """The first ``num_accepted`` proposals of ``chunk`` were right (the engine appended them as
+        outputs): their KV is computed. The rest are rolled back: not computed, their pages freed."""
+        request = chunk.request
+        if not 0 <= num_accepted <= len(chunk.draft_token_ids):
+            raise ValueError(f"num_accepted={num_accepted}: valid 0..{len(chunk.draft_token_ids)}")
+        request.num_draft_tokens += len(chunk.draft_token_ids)
+        request.num_accepted_draft_tokens += num_accepted
+        if num_accepted == 0:
+            _back_off(request)
+        else:
+            request.num_failed_proposals = 0
+        if request.status is not RequestStatus.RUNNING:
+            return  # finished on one of this step's tokens: its pages are already freed
+        request.num_computed_tokens += num_accepted
+        self.allocator.commit_full_pages(request)
+        self.allocator.release_tail(request, request.num_tokens)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         # sorted() is stable: decodes first, each group in admission order.
@@ -214,7 +272,31 @@ class Scheduler:
                 continue
             if self._make_room(request, num_new, step):
                 self.allocator.append(request, num_new)
-                step.add(request, num_new)
+                draft = self._propose(request, step) if num_new == 1 else []
+                if draft:
+                    self.allocator.append(request, 1 + len(draft))
+                step.add(request, num_new, draft)
+
+    def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
+        """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
+        pages allow (none when any of them is short). A request whose lookup finds nothing backs
+        off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures), so that text with
+        nothing to copy runs like non-speculative decoding (async scheduling included) most of the
+        time."""
+        if request.spec_backoff > 0:
+            request.spec_backoff -= 1
+            return []
+        if step.spec_seqs_left <= 0 or not request.can_speculate or not step.has_prefill_slot(2):
+            return []
+        limit = min(step.token_budget - 1, request.max_tokens - request.num_expected_outputs - 1)
+        if limit <= 0:
+            return []
+        draft = self.proposer.propose(request.all_token_ids, limit)
+        if not draft:
+            _back_off(request)
+        elif not self.allocator.can_append(request, 1 + len(draft)):
+            return []
+        return draft
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
         page_size = self.config.page_size

@@ -215,7 +215,8 @@ def _breakdown(load_s: float, *, kv_sizing: float, kv_alloc: float, phases: dict
 
 def _bucket_plan(config: EngineConfig, max_model_len: int) -> BucketPlan:
     return BucketPlan.from_limits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
-                                  config.page_size, min_tokens=config.min_token_bucket)
+                                  config.page_size, min_tokens=config.min_token_bucket,
+                                  num_speculative_tokens=config.num_speculative_tokens or 0)
 
 
 def _native_kernel_status(platform: str) -> str:

@@ -11,6 +11,11 @@ enforces, so a request that would not fit is refused when it is added, never cut
 Async scheduling: a token sampled by the step still on the device is not known here. Its slot in
 ``token_ids`` holds 0 and ``feed_rows`` names the row of the previous step's sampled tokens that the
 jitted step reads instead (-1 everywhere else).
+
+Speculative decoding: a chunk's proposed tokens follow its known ones, and buckets with
+``num_draft_rows`` carry ``draft_rows``: per verifying row, the token row it reads
+(``logits_indices``), its sequence, the position it samples and the proposal it checks (``tokens``).
+The sampled outputs hold the sequences' own rows first, then the draft rows in chunk order.
 """
 from __future__ import annotations
 
@@ -30,6 +35,15 @@ NO_FEED = -1            # feed_rows entry of a token known on the host
 
 def empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
     """A batch of the bucket's shape with nothing in it (every row padding)."""
+    batch = _empty_batch(bucket, page_size)
+    if bucket.num_draft_rows:
+        r = bucket.num_draft_rows
+        batch["draft_rows"] = {"logits_indices": np.zeros(r, np.int32), "seqs": np.zeros(r, np.int32),
+                               "positions": np.zeros(r, np.int32), "tokens": np.full(r, NO_TOKEN, np.int32)}
+    return batch
+
+
+def _empty_batch(bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
     t, s, w = bucket.num_tokens, bucket.num_seqs, bucket.num_pages
     return {
         "token_ids": np.zeros(t, np.int32),
@@ -123,7 +137,8 @@ def _fill_prompt_targets(batch: dict, cursor: int, request, start: int, count: i
 
 
 def _fill_tokens(batch: dict, cursor: int, request, start: int, count: int, feed_rows) -> None:
-    """Token ids of ``[start, start + count)``; one still on the device is fed from its row."""
+    """Token ids of ``[start, start + count)`` (known ones only); one still on the device is fed
+    from its row."""
     known = request.all_token_ids[start:start + count]
     batch["token_ids"][cursor:cursor + len(known)] = known
     if len(known) == count:
@@ -132,6 +147,26 @@ def _fill_tokens(batch: dict, cursor: int, request, start: int, count: int, feed
         raise RuntimeError(f"request {request.request_id!r}: {count - len(known)} of its tokens are on the "
                            "device and no step in flight samples them")
     batch["feed_rows"][cursor + count - 1] = feed_rows[request]
+
+
+def _fill_draft_rows(batch: dict, row: int, cursor: int, chunk, draft_row: int) -> int:
+    """Proposals of ``chunk`` (its tokens end at ``cursor``): they follow its known tokens, and the
+    rows of the known last token and of each proposal but the last verify the next proposal; the
+    sequence's own row (the last) samples the token after them all. Returns the next free draft row."""
+    draft = chunk.draft_token_ids
+    k = len(draft)
+    if "draft_rows" not in batch or draft_row + k > len(batch["draft_rows"]["tokens"]):
+        raise RuntimeError(f"request {chunk.request.request_id!r}: {k} proposals do not fit the bucket's draft rows")
+    batch["token_ids"][cursor - k:cursor] = draft
+    rows = slice(draft_row, draft_row + k)
+    first_sampled = chunk.request.num_tokens  # the position the first verifying row samples
+    spec = batch["draft_rows"]
+    spec["logits_indices"][rows] = np.arange(cursor - k - 1, cursor - 1)
+    spec["seqs"][rows] = row
+    spec["positions"][rows] = np.arange(first_sampled, first_sampled + k)
+    spec["tokens"][rows] = draft
+    batch["sampling"]["positions"][row] = first_sampled + k
+    return draft_row + k
 
 
 def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
@@ -146,13 +181,13 @@ def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
     if max_prefill_seqs is not None and prefills > max_prefill_seqs:
         raise RuntimeError(f"step plan has {prefills} prefill chunks, the executables allow {max_prefill_seqs}")
     batch = empty_batch(bucket, page_size)
-    cursor = 0
+    cursor, draft_row = 0, 0
     for row, chunk in enumerate(chunks):
         request, start, count = chunk.request, chunk.start, chunk.num_tokens
         stop = start + count
         positions = np.arange(start, stop, dtype=np.int32)
         pages = np.asarray(request.page_ids, np.int32)
-        _fill_tokens(batch, cursor, request, start, count, feed_rows)
+        _fill_tokens(batch, cursor, request, start, chunk.num_known_tokens, feed_rows)
         _fill_prompt_targets(batch, cursor, request, start, count)
         batch["positions"][cursor:cursor + count] = positions
         batch["slot_mapping"][cursor:cursor + count] = pages[positions // page_size] * page_size + positions % page_size
@@ -163,6 +198,8 @@ def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
         batch["logits_indices"][row] = cursor - 1
         if chunk.sample:
             _fill_sampling(batch["sampling"], row, request, eos_token_ids)
+        if chunk.draft_token_ids:
+            draft_row = _fill_draft_rows(batch, row, cursor, chunk, draft_row)
     batch["cu_q_lens"][len(chunks) + 1:] = cursor
     batch["num_seqs"][...] = len(chunks)
     return batch

@@ -12,11 +12,18 @@ The page table always has the full width (max_model_len / page_size pages): the 
 loop only up to the longest live sequence, so a width bucket would multiply compiles for nothing
 (measured: the xla path's cost follows the real kv lengths). ``page_buckets`` stays a plan field so
 an implementation whose cost does follow the width could bucket it again.
+
+Speculative decoding adds sampled rows, not shapes: with ``num_speculative_tokens`` k, every bucket
+also samples ``num_draft_rows`` = min(T - 1, k * min(S,
+MAX_SPEC_SEQS)) rows that verify proposals. A step of s sequences and t tokens has at most t - s
+<= T - 1 proposals, from at most min(s, MAX_SPEC_SEQS) sequences, so they always fit.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+
+MAX_SPEC_SEQS = 8  # most sequences whose proposals one step verifies
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -24,9 +31,11 @@ class Bucket:
     num_tokens: int
     num_seqs: int
     num_pages: int  # page-table width W
+    num_draft_rows: int = 0  # sampled rows that verify speculative proposals
 
     def __str__(self) -> str:
-        return f"T{self.num_tokens}xS{self.num_seqs}xW{self.num_pages}"
+        drafts = f"xR{self.num_draft_rows}" if self.num_draft_rows else ""
+        return f"T{self.num_tokens}xS{self.num_seqs}xW{self.num_pages}{drafts}"
 
 
 def _geometric(smallest: int, largest: int, ratio: int) -> tuple[int, ...]:
@@ -44,13 +53,19 @@ class BucketPlan:
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     page_buckets: tuple[int, ...]
+    num_speculative_tokens: int = 0
 
     @classmethod
     def from_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                    page_size: int, min_tokens: int = 1) -> "BucketPlan":
+                    page_size: int, min_tokens: int = 1, num_speculative_tokens: int = 0) -> "BucketPlan":
         return cls(token_buckets=_token_buckets(min_tokens, max_num_batched_tokens),
                    seq_buckets=_geometric(1, max_num_seqs, 4),
-                   page_buckets=(math.ceil(max_model_len / page_size),))
+                   page_buckets=(math.ceil(max_model_len / page_size),),
+                   num_speculative_tokens=num_speculative_tokens)
+
+    def _bucket(self, t: int, s: int, w: int) -> Bucket:
+        drafts = min(t - 1, self.num_speculative_tokens * min(s, MAX_SPEC_SEQS))
+        return Bucket(t, s, w, drafts)
 
     def seqs_for(self, num_tokens: int) -> tuple[int, ...]:
         """Sequence buckets under a token bucket: a step never has more sequences than tokens."""
@@ -59,14 +74,14 @@ class BucketPlan:
 
     def buckets(self) -> list[Bucket]:
         """Every shape warm-up compiles."""
-        return [Bucket(t, s, w) for t in self.token_buckets for s in self.seqs_for(t) for w in self.page_buckets]
+        return [self._bucket(t, s, w) for t in self.token_buckets for s in self.seqs_for(t) for w in self.page_buckets]
 
     def select(self, num_tokens: int, num_seqs: int, num_pages: int) -> Bucket:
         """The smallest bucket holding a step of this size."""
         t = _smallest_at_least(self.token_buckets, num_tokens, "tokens")
         s = _smallest_at_least(self.seqs_for(t), num_seqs, "sequences")
         w = _smallest_at_least(self.page_buckets, num_pages, "pages per sequence")
-        return Bucket(t, s, w)
+        return self._bucket(t, s, w)
 
     def describe(self) -> str:
         pairs = ", ".join(f"{t}:{list(self.seqs_for(t))}" for t in self.token_buckets)

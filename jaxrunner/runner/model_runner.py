@@ -40,20 +40,28 @@ def model_step(params, kv_cache, batch, feed, *, architecture, attention):
     Prompt logprobs: rows whose ``prompt_targets`` name a token (the next prompt token) get its
     logprob, rank and the top logprobs. Only a batch with such a row computes every row's final
     hidden state and the vocabulary projection over them (``lax.cond``); others get zeros.
+
+    Speculative decoding: a batch with ``draft_rows`` also samples those rows (after the
+    sequences' own rows), each verifying one proposed token (``sampler.with_draft_rows``).
     """
     fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
     token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
     targets = batch["prompt_targets"]
     wants_prompt_logprobs = jnp.any(targets >= 0)
+    rows, sampling = batch["logits_indices"], batch["sampling"]
+    if "draft_rows" in batch:
+        rows = jnp.concatenate([rows, batch["draft_rows"]["logits_indices"]])
+        sampling = sampler.with_draft_rows(sampling, batch["draft_rows"])
     hidden, kv_cache, every_row = _forward(architecture, params, token_ids, batch["positions"], kv_cache, batch,
-                                           attention, batch["logits_indices"], wants_prompt_logprobs)
+                                           attention, rows, wants_prompt_logprobs)
     logits = architecture.compute_logits(params, hidden)
-    sampled = sampler.sample(logits, batch["sampling"])
+    sampled = sampler.sample(logits, sampling)
     logits_of = functools.partial(architecture.compute_logits, params)
     sampled.update(jax.lax.cond(wants_prompt_logprobs,
                                 lambda h: sampler.prompt_logprobs(logits_of, h, targets),
                                 lambda h: sampler.empty_prompt_logprobs(h.shape[0]), every_row))
-    next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), sampled["tokens"].astype(feed.dtype), (0,))
+    seq_tokens = sampled["tokens"][:batch["logits_indices"].shape[0]]
+    next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), seq_tokens.astype(feed.dtype), (0,))
     return sampled, next_feed, kv_cache
 
 

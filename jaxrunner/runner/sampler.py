@@ -15,6 +15,13 @@ Randomness: a row's key is ``fold_in(fold_in(key(seed_low), seed_high), position
 64-bit seed and the position of the token being sampled — so a seeded request samples the same
 tokens whatever else is batched.
 Each row needs one uniform number (inverse-CDF sampling), not one per vocabulary entry.
+
+Speculative verification: a row with a ``draft_tokens`` entry checks a proposed token d. Greedy
+rows need nothing new (the host accepts d while it equals the argmax). A sampled row accepts d with
+probability p(d) under its processed, tempered and filtered distribution p, else draws from the
+residual max(p - q, 0) of a point-mass proposal q, i.e. p without d, renormalized: the token it
+returns is then distributed exactly as p (standard rejection sampling), and equals d exactly when
+d was accepted. The acceptance test uses a second uniform of the row's key (``ACCEPT_STREAM``).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import jax.numpy as jnp
 MAX_LOGPROBS = 20  # like vLLM's default max_logprobs: top-k logprobs returned per token, k <= this
 NO_TOKEN = -1      # padding in token-id arrays (history, banned tokens)
 NO_LOGPROBS = -1   # num_logprobs of a row that asks for none (0 asks for the sampled token's only)
+ACCEPT_STREAM = 1  # folded into a row's key for the uniform of the speculative acceptance test
 
 
 def _apply_penalties(logits, history, prompt_lens, rep, presence, frequency):
@@ -88,10 +96,13 @@ def _filter_top_k_top_p_min_p(logits, top_k, top_p, min_p):
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
 
-def _row_uniforms(seeds, seeds_high, positions):
+def _row_uniforms(seeds, seeds_high, positions, stream: int = 0):
     def one(seed, seed_high, position):
         key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), seed_high.astype(jnp.uint32))
-        return jax.random.uniform(jax.random.fold_in(key, position), (), jnp.float32)
+        key = jax.random.fold_in(key, position)
+        if stream:
+            key = jax.random.fold_in(key, stream)
+        return jax.random.uniform(key, (), jnp.float32)
 
     return jax.vmap(one)(seeds, seeds_high, positions)
 
@@ -179,7 +190,24 @@ def _draw(logits, params, is_sampled):
     scaled = logits / jnp.where(is_sampled, params["temperature"], 1.0)[:, None]
     scaled = _maybe(jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)),
                     lambda x: _filter_top_k_top_p_min_p(x, top_k, top_p, min_p), scaled)
-    return _inverse_cdf_sample(scaled, _row_uniforms(params["seeds"], params["seeds_high"], params["positions"]))
+    uniforms = _row_uniforms(params["seeds"], params["seeds_high"], params["positions"])
+    if "draft_tokens" not in params:
+        return _inverse_cdf_sample(scaled, uniforms)
+    return verify_draws(scaled, params["draft_tokens"], uniforms,
+                        _row_uniforms(params["seeds"], params["seeds_high"], params["positions"], ACCEPT_STREAM))
+
+
+def verify_draws(logits, draft_tokens, uniforms, accept_uniforms):
+    """One token per row of ``softmax(logits)`` (processed, tempered, filtered); rows whose
+    ``draft_tokens`` entry names a token verify it by rejection sampling (module docstring)."""
+    has_draft = draft_tokens >= 0
+    draft = jnp.maximum(draft_tokens, 0)
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    p_draft = jnp.exp(jnp.take_along_axis(log_p, draft[:, None], axis=-1)[:, 0])
+    accepted = has_draft & (accept_uniforms < p_draft)
+    is_draft = has_draft[:, None] & (jnp.arange(logits.shape[-1])[None, :] == draft[:, None])
+    drawn = _inverse_cdf_sample(jnp.where(is_draft, -jnp.inf, logits), uniforms)
+    return jnp.where(accepted, draft, drawn).astype(jnp.int32)
 
 
 def _maybe(flag, fn, x):
@@ -214,6 +242,17 @@ def _ranks(raw, chosen):
 def _top_logprobs(raw, log_normalizer):
     values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
     return values - log_normalizer[:, None], ids.astype(jnp.int32)
+
+
+def with_draft_rows(params, draft_rows):
+    """The sampling parameters of the sequences' rows followed by the draft rows: each draft row
+    takes its sequence's parameters, its own position and the proposal it verifies."""
+    seqs = draft_rows["seqs"]
+    rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.take(x, seqs, axis=0)]), params)
+    rows["positions"] = jnp.concatenate([params["positions"], draft_rows["positions"]])
+    no_draft = jnp.full(params["positions"].shape, NO_TOKEN, jnp.int32)
+    rows["draft_tokens"] = jnp.concatenate([no_draft, draft_rows["tokens"]])
+    return rows
 
 
 def sample(logits, params):

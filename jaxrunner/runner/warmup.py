@@ -124,6 +124,12 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     fed = rng.random(cursor) < 0.25
     batch["feed_rows"][:cursor] = np.where(fed, rng.integers(0, bucket.num_seqs, cursor), -1)
     _fill_random_sampling(rng, batch["sampling"], num_seqs, vocab_size)
+    if "draft_rows" in batch:  # speculative verification: random rows, some checking a proposal
+        spec, rows = batch["draft_rows"], len(batch["draft_rows"]["tokens"])
+        spec["logits_indices"][:] = rng.integers(0, max(cursor, 1), rows)
+        spec["seqs"][:] = rng.integers(0, num_seqs, rows)
+        spec["positions"][:] = rng.integers(0, max_len, rows)
+        spec["tokens"][:] = np.where(rng.random(rows) < 0.5, rng.integers(0, vocab_size, rows), -1)
     if rng.random() < 0.5:  # prompt logprobs for some rows (the next prompt token's id)
         wanted = rng.random(cursor) < 0.5
         batch["prompt_targets"][:cursor] = np.where(wanted, rng.integers(0, vocab_size, cursor), -1)
