@@ -154,12 +154,13 @@ class LLM:
         outputs = _Collector()
         ids = [[loop.new_request_id() for _ in group] for group in groups]
         share_prompt = self.engine.config.enable_prefix_caching
-        for group, group_ids in zip(groups, ids):
-            if share_prompt and len(group) > 1:
-                outputs.submit_after_first(loop, group, group_ids)
-            else:
-                for request, request_id in zip(group, group_ids):
-                    loop.submit(request, outputs.put, request_id)
+        with loop.together():
+            for group, group_ids in zip(groups, ids):
+                if share_prompt and len(group) > 1:
+                    outputs.submit_after_first(loop, group, group_ids)
+                else:
+                    for request, request_id in zip(group, group_ids):
+                        loop.submit(request, outputs.put, request_id)
         finished = outputs.wait_all(loop, [i for group in ids for i in group], use_tqdm)
         return [self._merge([finished[i] for i in group]) for group in ids]
 

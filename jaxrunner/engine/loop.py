@@ -16,6 +16,7 @@ starts a new one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import dataclasses
 import itertools
@@ -86,6 +87,14 @@ class EngineLoop:
             self._ensure_thread()
             self._cond.notify()
         return request_id
+
+    @contextlib.contextmanager
+    def together(self):
+        """Submissions made inside arrive at the loop as one: no step starts between them. Several
+        processes serving one model (``jax.distributed``) must schedule the same batches, so a
+        call's requests must not be split by when the loop thread happens to wake."""
+        with self._cond:  # re-entrant: submit takes it again
+            yield
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its pages are freed by the loop's next iteration. Unknown ids are ignored."""
