@@ -12,16 +12,6 @@ from jaxrunner import SamplingParams
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine import page_allocator
 from jaxrunner.engine.spec_decode import NgramProposer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_persistent_cache_reads():
-    """This module's engines compile instead of reading the shared persistent cache: after the rest
-    of the suite, reading one of their cached executables aborted the process inside XLA:CPU's
-    deserialization (jax 0.10); the same tests reading the same cache in a fresh process pass."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
 from jaxrunner.runner import sampler
 from jaxrunner.runner.batch import empty_batch
 from jaxrunner.runner.buckets import Bucket, BucketPlan
