@@ -2,10 +2,12 @@
 report says where the time went."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,6 +37,32 @@ def test_a_shape_change_compiles_again(tiny_checkpoints):
     with count_compilations() as events:
         make_llm(tiny_checkpoints["llama"], num_pages=80)
     assert "/jax/core/compile/jaxpr_trace_duration" in events
+
+
+def _code_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's memory mappings")
+def test_a_dropped_engine_releases_its_executables(tiny_checkpoints):
+    """JAX keeps what a jitted function compiled on the function: the shared step must die with the
+    last engine using it, or every engine built and dropped leaves its code mapped (and a process
+    building a few dozen reaches the kernel's mapping limit inside a compile)."""
+    from jaxrunner.runner import model_runner
+
+    before_keys, before_maps = set(model_runner._SHARED_STEPS.keys()), _code_mappings()
+    llm = make_llm(tiny_checkpoints["llama"], num_pages=72)  # shapes no other engine of the suite has
+    llm.generate(random_prompts(2, 512, 4, 12), SamplingParams(max_tokens=3))
+    added = _code_mappings() - before_maps
+    assert set(model_runner._SHARED_STEPS.keys()) - before_keys
+    del llm
+    deadline = time.monotonic() + 30  # the engine loop lets go of the engine once idle
+    while set(model_runner._SHARED_STEPS.keys()) - before_keys and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.2)
+    assert not set(model_runner._SHARED_STEPS.keys()) - before_keys
+    assert _code_mappings() - before_maps < added / 2
 
 
 _SECOND_START = """

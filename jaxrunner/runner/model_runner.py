@@ -9,12 +9,12 @@ and one device→host copy per step.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import functools
 import inspect
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -75,30 +75,33 @@ def _forward(architecture, params, token_ids, positions, kv_cache, batch, attent
     return jnp.take(every_row, rows, axis=0), kv_cache, every_row
 
 
-_SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
-_MAX_SHARED_STEPS = 8
+# Jitted steps in use, by argument set. Weak values: JAX keeps every executable a jitted function has
+# compiled on that function (its trace, lowering and executable caches), so the function must die
+# with the last runner that uses it, or each engine built and dropped in a process would leave its
+# executables (and their code mappings) behind for good.
+_SHARED_STEPS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def jitted_step(architecture, attention, shardings=None):
     """``model_step`` jitted with the cache donated (and, on a mesh, the declared ``(params, cache,
-    replicated)`` shardings), one per distinct argument set, shared by every runner in the process.
+    replicated)`` shardings), one per distinct argument set, shared by the runners alive in the process.
 
     JAX caches traces, lowerings and executables on the jitted function, so a second engine whose
     options do not change any shape (seed, prefix caching, async scheduling, sampling defaults)
-    reuses them all and compiles nothing. Arguments that cannot be hashed (a user's architecture
-    object) get a function of their own."""
+    reuses them all and compiles nothing while the first is alive; once every runner holding the
+    function is gone, so are its executables. Arguments that cannot be hashed (a user's
+    architecture object) get a function of their own."""
     key = (architecture, attention,
            None if shardings is None else jax.tree.flatten(shardings, is_leaf=lambda x: x is None))
     try:
         hash(key)
     except TypeError:
         return _jit_step(architecture, attention, shardings)
-    if key not in _SHARED_STEPS:
-        _SHARED_STEPS[key] = _jit_step(architecture, attention, shardings)
-        while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
-            _SHARED_STEPS.popitem(last=False)
-    _SHARED_STEPS.move_to_end(key)
-    return _SHARED_STEPS[key]
+    step = _SHARED_STEPS.get(key)
+    if step is None:
+        step = _jit_step(architecture, attention, shardings)
+        _SHARED_STEPS[key] = step
+    return step
 
 
 def _jit_step(architecture, attention, shardings):
