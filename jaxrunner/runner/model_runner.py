@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
+import os
 import time
 import weakref
 
@@ -190,15 +191,16 @@ class ModelRunner:
     def lower(self, batch):
         return self.trace(batch).lower()
 
-    def compile_all(self, batches: dict, workers: int = 1) -> dict:
+    def compile_all(self, batches: dict, workers: int | None = None) -> dict:
         """Compile one executable per bucket (``{bucket: example batch}``); returns per-bucket info.
 
-        Every bucket is traced and lowered on this thread first, then compiled by ``workers``
-        threads (XLA's compilation releases the GIL). One worker by default: with the persistent
-        cache warm, two threads deserializing cached executables at once aborted the process
-        (XLA:CPU, jax 0.10), and a cached start is mostly reads. Handing each bucket to a compile
-        thread as soon as it was lowered failed the same way.
+        Tracing and lowering hold the GIL, XLA's compilation does not: every bucket is traced and
+        lowered on this thread first, then compiled on a thread pool. Handing each bucket to the
+        pool as soon as it was lowered overlapped more, but a compile reading the persistent cache
+        while this thread traced the next bucket aborted the process (XLA:CPU, jax 0.10), so
+        lowering and compiling do not overlap.
         """
+        workers = workers or os.cpu_count() or 1
         lowered = {bucket: self._trace_and_lower(batch) for bucket, batch in batches.items()}
         with cache_events.watch() as watch, concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             futures = {bucket: pool.submit(self._compile_lowered, bucket, low, info, watch)
