@@ -194,17 +194,14 @@ class ModelRunner:
     def compile_all(self, batches: dict, workers: int | None = None) -> dict:
         """Compile one executable per bucket (``{bucket: example batch}``); returns per-bucket info.
 
-        Tracing and lowering hold the GIL, XLA's compilation does not: every bucket is traced and
-        lowered on this thread first, then compiled on a thread pool. Handing each bucket to the
-        pool as soon as it was lowered overlapped more, but a compile reading the persistent cache
-        while this thread traced the next bucket aborted the process (XLA:CPU, jax 0.10), so
-        lowering and compiling do not overlap.
+        Tracing and lowering hold the GIL, XLA's compilation does not: each bucket is traced and
+        lowered in turn on this thread and handed to a compile thread as soon as it is lowered, so
+        compiling one bucket overlaps lowering the next.
         """
         workers = workers or os.cpu_count() or 1
-        lowered = {bucket: self._trace_and_lower(batch) for bucket, batch in batches.items()}
         with cache_events.watch() as watch, concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {bucket: pool.submit(self._compile_lowered, bucket, low, info, watch)
-                       for bucket, (low, info) in lowered.items()}
+            futures = {bucket: pool.submit(self._compile_lowered, bucket, *self._trace_and_lower(batch), watch)
+                       for bucket, batch in batches.items()}
             return {bucket: future.result() for bucket, future in futures.items()}
 
     def compile(self, bucket, batch) -> dict:
