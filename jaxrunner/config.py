@@ -2,7 +2,7 @@
 
 Validation here is about the values alone (types, ranges, choices) and costs nothing: a wrong
 option fails before any model file is opened. Checks that need the model's config file or the
-machine's memory run next, still before any weight is read (``engine/preflight.py``).
+machine's memory run next, still before any weight is read (``runner/preflight.py``).
 """
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ import threading
 from typing import Iterator, Sequence
 
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
-from jaxrunner.engine.data_parallel import create_engine
 from jaxrunner.engine.loop import EngineLoop
-from jaxrunner.engine.preflight import check_before_loading
 from jaxrunner.outputs import RequestOutput
+from jaxrunner.runner.builder import create_engine
+from jaxrunner.runner.preflight import check_before_loading
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
@@ -123,8 +123,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prefix pages no request holds. True when no cached KV is left (False:
         running requests still hold some, which stay cached), as vLLM's."""
-        engines = getattr(self.engine, "replicas", [self.engine])
-        return all([engine.scheduler.allocator.reset_prefix_cache() for engine in engines])
+        return all([replica.scheduler.allocator.reset_prefix_cache() for replica in self.engine.replicas])
 
     # ------------------------------------------------------------------ batch generation
     @property
@@ -404,9 +403,7 @@ def _load_tokenizer(path: str):
 
 def _set_tokenizer(engine, tokenizer) -> None:
     """Serve with ``tokenizer`` (every replica); its EOS joins the model's."""
-    for replica in getattr(engine, "replicas", [engine]):
-        replica.tokenizer = tokenizer
-        replica.eos_token_ids = replica._eos_token_ids()
+    engine.tokenizer = tokenizer
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

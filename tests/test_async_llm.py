@@ -155,7 +155,7 @@ def test_async_callers_get_their_own_streams_and_cancelled_ones_free_pages(llm, 
 
 
 def test_a_failed_step_fails_its_callers_and_the_loop_goes_on(llm, prompts):
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     fetch = runner.fetch
 
     def failing_fetch(*args):

@@ -197,7 +197,7 @@ def test_abort_frees_pages(llm, prompts):
 
 def record_device_calls(engine) -> list[str]:
     """Log the runner's dispatches and waits, in order (the real calls go through)."""
-    calls, runner = [], engine.runner
+    calls, runner = [], engine.executor.runner
     dispatch, fetch = runner.dispatch, runner.fetch
 
     def logged_dispatch(*args):
@@ -259,7 +259,7 @@ def test_penalties_make_async_scheduling_wait(llm, tiny_checkpoints, prompts):
     try:
         got = outputs_of(llm.generate(prompts[:3], penalized, use_tqdm=False))
     finally:
-        vars(llm.engine.runner).pop("dispatch"), vars(llm.engine.runner).pop("fetch")
+        vars(llm.engine.executor.runner).pop("dispatch"), vars(llm.engine.executor.runner).pop("fetch")
     assert len(calls) >= 16 and all(calls[i:i + 2] != ["dispatch", "dispatch"] for i in range(len(calls)))
     sync = make_llm(tiny_checkpoints["llama"], async_scheduling=False)
     assert got == outputs_of(sync.generate(prompts[:3], penalized, use_tqdm=False))
@@ -303,7 +303,7 @@ def test_serving_after_warmup_never_compiles(llm, prompts):
 def test_default_kv_cache_dtype():
     """bfloat16 keeps a float32 pool on CPU only where the XLA scatter would write it: the native
     kernel writes bf16 rows in place."""
-    from jaxrunner.engine.startup import default_kv_cache_dtype
+    from jaxrunner.runner.startup import default_kv_cache_dtype
 
     assert default_kv_cache_dtype("bfloat16", "cpu", "xla") == "float32"
     assert default_kv_cache_dtype("bfloat16", "cpu", "native") == "bfloat16"

@@ -110,7 +110,7 @@ def test_default_max_model_len_is_lowered_to_what_the_pool_holds(tiny_checkpoint
 def test_provisional_pool_for_profiling_fits_a_long_default_max_model_len():
     """On an accelerator the largest bucket is profiled against a provisional pool: with the
     model's own limit (e.g. 131072 tokens) it must not ask for more than the device holds."""
-    from jaxrunner.engine.startup import provisional_num_pages
+    from jaxrunner.runner.startup import provisional_num_pages
     from jaxrunner.runner.buckets import BucketPlan
 
     largest = max(BucketPlan.from_limits(512, 64, 131072, 16).buckets())
@@ -270,7 +270,7 @@ def test_user_jax_settings_are_kept_and_a_failing_native_build_is_reported_once(
 def test_jaxrunner_sets_its_cache_dir_only_when_none_is_set_and_logs_it(tmp_path, caplog):
     import jax
 
-    from jaxrunner.engine.startup import enable_compilation_cache
+    from jaxrunner.runner.startup import enable_compilation_cache
 
     before = jax.config.jax_compilation_cache_dir
     try:

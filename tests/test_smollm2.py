@@ -50,13 +50,13 @@ def test_greedy_chat_matches_transformers_token_for_token(smollm2):
 
 def test_startup_report_describes_the_pool(smollm2):
     report = smollm2.startup_report
-    spec = smollm2.engine.runner.cache_spec
-    k_pages = smollm2.engine.runner.kv_cache[0][0]
+    spec = smollm2.engine.executor.runner.cache_spec
+    k_pages = smollm2.engine.executor.runner.kv_cache[0][0]
     assert report["kv_pages"] == spec.num_pages == k_pages.shape[0]
     assert report["kv_bytes"] == spec.nbytes
     assert report["attention_impl"] in ("native", "xla", "pallas", "reference")
     assert report["num_params"] > 130e6 and report["weights_bytes"] > 500e6
-    assert report["compile_s_total"] > 0 and len(report["buckets"]) == len(smollm2.engine.bucket_plan.buckets())
+    assert report["compile_s_total"] > 0 and len(report["buckets"]) == len(smollm2.engine.executor.bucket_plan.buckets())
 
 
 def test_int8_quality_against_float32_on_the_real_model(smollm2):

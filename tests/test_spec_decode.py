@@ -241,13 +241,13 @@ def test_steps_overlap_while_every_request_backs_off(spec, plain, workload):
     """Text with nothing to copy: after a lookup finds nothing the request backs off, and steps
     are dispatched ahead again (async scheduling) with unchanged greedy output."""
     engine, calls = spec.engine, []
-    dispatch, fetch = engine.runner.dispatch, engine.runner.fetch
-    engine.runner.dispatch = lambda *args: calls.append("dispatch") or dispatch(*args)
-    engine.runner.fetch = lambda *args, **kwargs: calls.append("fetch") or fetch(*args, **kwargs)
+    dispatch, fetch = engine.executor.runner.dispatch, engine.executor.runner.fetch
+    engine.executor.runner.dispatch = lambda *args: calls.append("dispatch") or dispatch(*args)
+    engine.executor.runner.fetch = lambda *args, **kwargs: calls.append("fetch") or fetch(*args, **kwargs)
     prompt = {"prompt_token_ids": list(range(3, 43))}  # no token twice: nothing to look up at first
     try:
         got = spec.generate([prompt], GREEDY, use_tqdm=False)
     finally:
-        vars(engine.runner).pop("dispatch"), vars(engine.runner).pop("fetch")
+        vars(engine.executor.runner).pop("dispatch"), vars(engine.executor.runner).pop("fetch")
     assert any(calls[i:i + 2] == ["dispatch", "dispatch"] for i in range(len(calls)))
     assert token_ids(got) == token_ids(plain.generate([prompt], GREEDY, use_tqdm=False))

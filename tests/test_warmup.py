@@ -69,18 +69,18 @@ def test_pack_step_feeds_a_token_still_on_the_device():
 
 def test_random_and_zero_batches_lower_to_the_same_program(tiny_checkpoints):
     llm = make_llm(tiny_checkpoints["llama"])
-    runner = llm.engine.runner
-    bucket = llm.engine.bucket_plan.buckets()[-1]
+    runner = llm.engine.executor.runner
+    bucket = llm.engine.executor.bucket_plan.buckets()[-1]
     random_batch = random_dummy_batch(jax.random.key(3), bucket, 8, runner.cache_spec.num_pages, 512, 128)
     assert runner.lower(random_batch).as_text() == runner.lower(zeros_dummy_batch(bucket, 8)).as_text()
 
 
 def test_startup_report_matches_what_was_allocated(tiny_checkpoints):
     llm = make_llm(tiny_checkpoints["llama"])
-    report, runner = llm.startup_report, llm.engine.runner
+    report, runner = llm.startup_report, llm.engine.executor.runner
     assert report["kv_pages"] == runner.kv_cache[0][0].shape[0] == 96
     assert report["kv_bytes"] == runner.cache_spec.nbytes
-    assert set(report["buckets"]) == {str(b) for b in llm.engine.bucket_plan.buckets()}
+    assert set(report["buckets"]) == {str(b) for b in llm.engine.executor.bucket_plan.buckets()}
     assert report["attention_impl"] == runner.attention_impl
     assert report["attention_self_check_max_abs_error"] < 1e-3
     assert report["max_concurrency_at_max_model_len"] == pytest.approx(95 * 8 / 128)

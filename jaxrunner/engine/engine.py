@@ -29,24 +29,16 @@ import logging
 import math
 import numbers
 import threading
-
-import jax
+from typing import Sequence
 
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
+from jaxrunner.engine.executor import Executor, StepHandle
 from jaxrunner.engine.page_allocator import PageAllocator
 from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxrunner.engine.spec_decode import NgramProposer
-from jaxrunner.engine.startup import start_runner
-from jaxrunner.models.loader import LoadedModel, load_model
-from jaxrunner.models.quant import quantize_model
 from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
-from jaxrunner.parallel import distributed, mesh as meshes
-from jaxrunner.runner import weights
-from jaxrunner.runner.batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, pack_step
-from jaxrunner.runner.buckets import MAX_SPEC_SEQS
-from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
@@ -105,65 +97,92 @@ def _check_owner(engine) -> None:
 
 
 @dataclasses.dataclass
+class _Replica:
+    """One executor and the scheduler that plans for it: a mesh row with its own KV pool. Data
+    parallelism is several; the engine sends each new request to the least loaded."""
+
+    executor: Executor
+    scheduler: Scheduler
+    in_flight: "_PendingStep | None" = None  # async scheduling: dispatched, not yet waited for
+
+
+@dataclasses.dataclass
 class _PendingStep:
+    replica: _Replica
     plan: object             # the scheduler's StepPlan
-    device_outputs: dict     # the runner's sampled arrays, possibly still being computed
+    handle: StepHandle       # the executor's dispatched step
     updated: bool = False    # the scheduler already counted its tokens as computed (async)
-    num_seq_rows: int = 0    # the bucket's sequences: draft rows' outputs follow theirs
 
 
 class LLMEngine:
-    """One engine: a scheduler and a runner on one mesh row (a device, or ``tensor_parallel_size``
-    devices). Data parallelism is several of these (``jaxrunner.engine.data_parallel``)."""
+    """The engine: requests in, outputs out, over one executor per data-parallel replica.
 
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, mesh=None):
+    Built by ``jaxrunner.runner.builder.create_engine`` (which loads the model and starts the
+    executors); this side is host-only Python and never touches a device."""
+
+    def __init__(self, config: EngineConfig, executors: Sequence[Executor]):
+        if not executors:
+            raise ValueError("executors: an engine needs at least one")
         self.config = config
-        distributed.initialize_from_env()  # before any device is touched; a no-op unless configured
-        if model is None:
-            if mesh is None:
-                meshes.check_device_count(config.tensor_parallel_size, 1)
-                mesh = meshes.build_mesh(config.tensor_parallel_size, 1)
-            model = load_model(config.model, config.dtype, progress=config.progress, mesh=mesh)
-        if config.quantization is not None:
-            model = quantize_model(model, config.quantization, config.quantization_group_size)
-        self.model = model
-        self.tokenizer = self.model.tokenizer
-        self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, self.model)
-        spec = self.runner.cache_spec
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, page_size=spec.page_size, num_pages=spec.num_pages,
-                            enable_prefix_caching=config.enable_prefix_caching,
-                            enable_chunked_prefill=config.enable_chunked_prefill,
-                            max_num_prefill_seqs=config.max_num_prefill_seqs, max_num_spec_seqs=MAX_SPEC_SEQS),
-            PageAllocator(spec.num_pages, spec.page_size, config.enable_prefix_caching),
-            proposer=self._proposer(config))
-        self.eos_token_ids = self._eos_token_ids()
+        self.replicas = [_Replica(executor, self._scheduler_for(config, executor)) for executor in executors]
+        self.executor = executors[0]  # replicas serve the same model with the same limits
+        self.max_model_len = min(executor.max_model_len for executor in executors)
         self._tracked: dict[str, _Tracked] = {}
+        self._replica_of: dict[str, _Replica] = {}
         self._arrivals = itertools.count()
         # recent steps only: a long-running server must not grow a list per step forever
         self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
         self.num_steps = 0
         self.num_draft_tokens = 0           # speculative decoding: tokens proposed, over all requests
         self.num_accepted_draft_tokens = 0  # and those accepted
-        self._in_flight: _PendingStep | None = None  # async scheduling: dispatched, not yet waited for
         self.owner_thread: threading.Thread | None = None  # set while an engine loop owns the engine
 
-    @staticmethod
-    def _proposer(config: EngineConfig) -> NgramProposer | None:
+    def _scheduler_for(self, config: EngineConfig, executor: Executor) -> Scheduler:
+        proposer = None
         if config.speculative_method == "ngram":
-            return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-        return None
+            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=executor.max_model_len, page_size=executor.page_size,
+                            num_pages=executor.num_pages, enable_prefix_caching=config.enable_prefix_caching,
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            max_num_prefill_seqs=config.max_num_prefill_seqs,
+                            max_num_spec_seqs=executor.max_num_spec_seqs),
+            PageAllocator(executor.num_pages, executor.page_size, config.enable_prefix_caching),
+            proposer=proposer)
 
-    @classmethod
-    def from_config(cls, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig(**kwargs))
+    # ------------------------------------------------------------------ what the front ends read
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one without data parallelism)."""
+        return self.replicas[0].scheduler
 
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model.config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
+    @property
+    def model(self):
+        """The served model as the runner side loaded it (config, tokenizer, generation config)."""
+        return self.executor.model
+
+    @property
+    def tokenizer(self):
+        return self.executor.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        for replica in self.replicas:
+            replica.executor.tokenizer = tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.executor.eos_token_ids
+
+    @property
+    def startup_report(self) -> dict:
+        if len(self.replicas) == 1:
+            return self.executor.startup_report
+        report = dict(self.executor.startup_report)
+        report.update(data_parallel_size=len(self.replicas),
+                      replica_compile_s_total=[r.executor.startup_report["compile_s_total"] for r in self.replicas])
+        return report
 
     # ------------------------------------------------------------------ requests in
     def validate_request(self, prompt, sampling_params: SamplingParams | None = None) -> ValidRequest:
@@ -198,7 +217,7 @@ class LLMEngine:
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
-        vocab = self.model.config.vocab_size
+        vocab = self.executor.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
@@ -210,7 +229,7 @@ class LLMEngine:
     @property
     def max_logprobs(self) -> int:
         """The most logprobs per token a request may ask for (the width the sampler computes)."""
-        return MAX_LOGPROBS
+        return self.executor.limits.max_logprobs
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary,
@@ -223,22 +242,24 @@ class LLMEngine:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name}={value!r}: must be in [0, max_logprobs="
                                  f"{self.max_logprobs}] (or None)")
-        vocab = self.model.config.vocab_size
+        vocab = self.executor.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", list(params.logit_bias or ()))):
             bad = [t for t in ids or () if t >= vocab]
             if bad:
                 raise ValueError(f"SamplingParams.{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        for name, count, cap in (("logit_bias", len(params.logit_bias or ()), MAX_LOGIT_BIAS),
-                                 ("allowed_token_ids", len(set(params.allowed_token_ids or ())), MAX_ALLOWED_TOKEN_IDS)):
+        limits = self.executor.limits
+        for name, count, cap in (("logit_bias", len(params.logit_bias or ()), limits.max_logit_bias),
+                                 ("allowed_token_ids", len(set(params.allowed_token_ids or ())),
+                                  limits.max_allowed_token_ids)):
             if count > cap:
                 raise ValueError(f"SamplingParams.{name}: {count} entries, at most {cap} are supported")
         banned = len(self._bad_words_token_ids(params))
         if params.min_tokens > 0:
             banned += len(set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids)))
-        if banned > MAX_BANNED_TOKENS:
+        if banned > limits.max_banned_tokens:
             raise ValueError(f"SamplingParams.bad_words: {banned} banned token sequences (bad words, with "
-                             f"stop_token_ids and EOS under min_tokens), at most {MAX_BANNED_TOKENS} are supported")
+                             f"stop_token_ids and EOS under min_tokens), at most {limits.max_banned_tokens} are supported")
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as vLLM tokenizes them: the word as given (left-stripped),
@@ -275,7 +296,9 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed,
                           bad_words_token_ids=self._bad_words_token_ids(params))
-        self.scheduler.add(request)
+        replica = min(self.replicas, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
+        replica.scheduler.add(request)
+        self._replica_of[request_id] = replica
         self._tracked[request_id] = _Tracked(
             request, valid.prompt, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                           params.stop,
@@ -290,89 +313,84 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.check_caller()
         if self._tracked.pop(str(request_id), None) is not None:
-            self.scheduler.abort(str(request_id))
+            self._replica_of.pop(str(request_id)).scheduler.abort(str(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(replica.scheduler.has_unfinished() for replica in self.replicas)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one step and return its outputs (async scheduling: the next one is already running)."""
+        """Run one step on every replica and return its outputs (async scheduling: each replica's
+        next step is already running). Every replica's step is dispatched before any is waited for."""
         self.check_caller()
-        current = self._in_flight or self.launch_step()
-        self._in_flight = None
-        if current is not None and self._async_enabled() and self._can_plan_behind() and not current.plan.has_drafts:
-            self._in_flight = self._launch_behind(current)
-        return self.complete_step(current)
+        launched = []
+        for replica in self.replicas:
+            launched.append(replica.in_flight or self._launch(replica, feed_rows=None))
+            replica.in_flight = None
+        for replica, current in zip(self.replicas, launched):
+            if current is not None and self._async_enabled() and self._can_plan_behind(replica) \
+                    and not current.plan.has_drafts:
+                replica.in_flight = self._launch_behind(current)
+        return [output for current in launched for output in self.complete_step(current)]
 
-    def launch_step(self) -> "_PendingStep | None":
-        """Schedule and dispatch one step without waiting for the device (``None``: nothing to do).
-
-        Split from ``complete_step`` so a front end driving several replicas can start all of them
-        before it waits for any."""
-        return self._launch(feed_rows=None)
-
-    def _launch(self, feed_rows: dict | None) -> "_PendingStep | None":
-        plan = self.scheduler.schedule()
+    def _launch(self, replica: _Replica, feed_rows: dict | None) -> "_PendingStep | None":
+        """Plan one step and dispatch it without waiting for the device (``None``: nothing to do)."""
+        plan = replica.scheduler.schedule()
         if plan.is_empty:
             return None
-        widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
-        bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
-        batch = pack_step(plan.chunks, bucket, self.runner.cache_spec.page_size, self.eos_token_ids,
-                          self.config.max_num_prefill_seqs, feed_rows)
-        return _PendingStep(plan, self.runner.dispatch(bucket, batch), num_seq_rows=bucket.num_seqs)
+        return _PendingStep(replica, plan, replica.executor.execute(plan, feed_rows))
 
     def _async_enabled(self) -> bool:
-        # several processes run one deterministic schedule each; keep them in lockstep, synchronously
-        return self.config.async_scheduling and jax.process_count() == 1
+        return self.config.async_scheduling and not self.executor.synchronous
 
-    def _can_plan_behind(self) -> bool:
+    def _can_plan_behind(self, replica: _Replica) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
         when a request's sampling needs its whole history (penalties) on the host, nor with
         speculative decoding while a running request wants a proposal (made from every past token)."""
-        if self.scheduler.proposer is not None and any(r.wants_proposal for r in self.scheduler.running):
+        scheduler = replica.scheduler
+        if scheduler.proposer is not None and any(r.wants_proposal for r in scheduler.running):
             return False
-        return not any(request.needs_host_history
-                       for request in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        return not any(request.needs_host_history for request in itertools.chain(scheduler.running, scheduler.waiting))
 
     def _launch_behind(self, current: _PendingStep) -> "_PendingStep | None":
         """Plan and dispatch the step after ``current`` while ``current`` runs on the device."""
-        self.scheduler.update(current.plan)
+        current.replica.scheduler.update(current.plan)
         current.updated = True
         feed_rows = {}
         for row, chunk in enumerate(current.plan.chunks):
             if chunk.sample and not chunk.request.is_finished:
                 chunk.request.expect_output()
                 feed_rows[chunk.request] = row
-        return self._launch(feed_rows)
+        return self._launch(current.replica, feed_rows)
 
     def complete_step(self, pending: "_PendingStep | None") -> list[RequestOutput]:
         """Wait for a launched step, then append, detokenize and finish its requests."""
         if pending is None:
             return []
-        plan = pending.plan
+        plan, scheduler = pending.plan, pending.replica.scheduler
         wants_prompt = any(chunk.request.sampling_params.prompt_logprobs is not None for chunk in plan.chunks)
-        sampled = self.runner.fetch(pending.device_outputs, wants_prompt)  # the prompt outputs only when asked
+        sampled = pending.replica.executor.fetch(pending.handle, wants_prompt)  # the prompt outputs only when asked
         if wants_prompt:
             self._accept_prompt_logprobs(plan, sampled)
         if not pending.updated:
-            self.scheduler.update(plan)
+            scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
         self.num_steps += 1
         # chunk.sample was fixed when the plan was made, so appending tokens below cannot change it.
         # A request finished or aborted since the plan was made gets nothing (async: its stop was
         # only seen after this step had been dispatched).
-        outputs, draft_row = [], pending.num_seq_rows
+        outputs, draft_row = [], pending.handle.num_seq_rows
         for row, chunk in enumerate(plan.chunks):
             if chunk.sample and not chunk.request.is_finished:
-                outputs.append(self._accept_chunk(chunk, sampled, row, draft_row))
+                outputs.append(self._accept_chunk(scheduler, chunk, sampled, row, draft_row))
             draft_row += len(chunk.draft_token_ids)
         return outputs
 
     def num_unfinished_requests(self) -> int:
         return len(self._tracked)
 
-    def _accept_chunk(self, chunk: ScheduledChunk, sampled, row: int, draft_row: int) -> RequestOutput:
+    def _accept_chunk(self, scheduler: Scheduler, chunk: ScheduledChunk, sampled, row: int,
+                      draft_row: int) -> RequestOutput:
         """Append the chunk's sampled token; with proposals, the rows verifying them first: each
         token is kept, and the walk goes on only while it equals the proposal it checked (then the
         proposal's KV is right). One output carries every token appended."""
@@ -383,7 +401,7 @@ class LLMEngine:
         for index, sampled_row in enumerate(rows):
             token, reason = self._append_token(tracked, sampled, sampled_row)
             if reason is not None:
-                self.scheduler.finish(request, reason)
+                scheduler.finish(request, reason)
                 break
             if index == len(draft) or token != draft[index]:
                 break
@@ -391,7 +409,7 @@ class LLMEngine:
         if draft:
             self.num_draft_tokens += len(draft)
             self.num_accepted_draft_tokens += num_accepted
-            self.scheduler.accept_drafts(chunk, num_accepted)
+            scheduler.accept_drafts(chunk, num_accepted)
         return self._output_of(tracked)
 
     def _output_of(self, tracked: _Tracked) -> RequestOutput:
@@ -399,6 +417,7 @@ class LLMEngine:
         output = self._output(tracked, tracked.detokenizer.take_delta(finished=finished))
         if finished:
             del self._tracked[tracked.request.request_id]
+            del self._replica_of[tracked.request.request_id]
         return output
 
     def _append_token(self, tracked: _Tracked, sampled, row: int) -> tuple[int, str | None]:
@@ -472,44 +491,47 @@ class LLMEngine:
     # ------------------------------------------------------------------ weights
     @property
     def params(self):
-        """The params pytree being served (device arrays on the engine's mesh)."""
-        return self.runner.params
+        """The params pytree being served (device arrays on the first replica's mesh)."""
+        return self.executor.params
 
     def update_weights(self, params, abort_in_flight: bool = False) -> None:
         """Serve ``params`` from the next step on; same leaves, shapes and dtypes as ``self.params``.
 
         Nothing compiles: the executables take the params as an argument. Leaves on other devices
-        or shardings are copied onto the engine's (device to device). Requests in flight continue
+        or shardings are copied onto each replica's (device to device). Requests in flight continue
         on the new weights with the KV they already have, unless ``abort_in_flight``. The prefix
         cache is emptied: its KV was computed by the old weights. A mismatch raises ``ValueError``
-        naming the leaf, and the old weights stay in service.
+        naming the leaf (every replica is checked first), and the old weights stay in service.
         """
         if self.config.quantization is not None:
             raise ValueError(f"update_weights: not supported with quantization={self.config.quantization!r} "
                              "(the served leaves are quantized; start the engine unquantized)")
-        weights.check_like(params, self.runner.params)
-        placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.params))
+        for replica in self.replicas:
+            replica.executor.check_weights(params)
         if abort_in_flight:
             for request_id in list(self._tracked):
                 self.abort_request(request_id)
-        self.runner.params = placed
-        self.model = dataclasses.replace(self.model, params=placed)
-        self.scheduler.invalidate_prefix_cache()
+        for replica in self.replicas:
+            replica.executor.update_weights(params)
+            replica.scheduler.invalidate_prefix_cache()
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> dict:
-        allocator = self.scheduler.allocator
-        return {
+        schedulers = [replica.scheduler for replica in self.replicas]
+        stats = {
             "num_steps": self.num_steps,
             "tokens_per_step": list(self.tokens_per_step),  # the most recent 10,000 steps
-            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "pages_in_use": allocator.num_used_pages,
-            "pages_total": self.runner.cache_spec.num_pages,
+            "prefix_cache_hit_tokens": sum(s.prefix_cache_hit_tokens for s in schedulers),
+            "num_preemptions": sum(s.num_preemptions for s in schedulers),
+            "pages_in_use": sum(s.allocator.num_used_pages for s in schedulers),
+            "pages_total": sum(r.executor.num_pages for r in self.replicas),
             "num_unfinished": sum(1 for t in self._tracked.values() if not t.request.is_finished),
-            "max_pages_per_seq": math.ceil(self.max_model_len / self.runner.cache_spec.page_size),
+            "max_pages_per_seq": math.ceil(self.max_model_len / self.executor.page_size),
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
             "spec_acceptance_rate": (self.num_accepted_draft_tokens / self.num_draft_tokens
                                      if self.num_draft_tokens else None),
         }
+        if len(schedulers) > 1:
+            stats["pages_in_use_per_replica"] = [s.allocator.num_used_pages for s in schedulers]
+        return stats

@@ -4,7 +4,7 @@
 or the machine (the memory a user-sized KV pool would take) is checked here, from the model's
 config file (config.json, the GGUF metadata, a checkpoint's marker), in about a second: a wrong
 option fails before minutes of loading, with nothing allocated. Start-up checks the same bounds
-again with the exact numbers (``engine/startup.py``).
+again with the exact numbers (``runner/startup.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.startup import default_kv_cache_dtype, resolve_max_model_len
+from jaxrunner.runner.startup import default_kv_cache_dtype, resolve_max_model_len
 from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loader import peek_model

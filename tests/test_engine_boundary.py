@@ -1,0 +1,57 @@
+"""The engine is host-only: nothing under ``jaxrunner/engine/`` imports JAX, the runner, the models
+or the kernels. It reaches the devices through the executor protocol alone (``engine/executor.py``)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import jaxrunner
+
+ENGINE_DIR = pathlib.Path(jaxrunner.__file__).parent / "engine"
+FORBIDDEN = ("jax", "jaxlib", "jaxrunner.runner", "jaxrunner.models", "jaxrunner.kernels", "jaxrunner.parallel",
+             "kernels", "flax", "torch")
+
+
+def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every module an ``import`` or ``from ... import`` names, anywhere in the file (also inside
+    functions: a deferred import is still an import)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the engine package
+                base = "jaxrunner.engine" if node.level == 1 else "jaxrunner"
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found += [(node.lineno, module)] + [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _is_forbidden(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in FORBIDDEN)
+
+
+def test_engine_modules_import_no_device_code():
+    modules = sorted(ENGINE_DIR.glob("*.py"))
+    assert len(modules) >= 8, modules  # the walk sees the package
+    offending = [f"{path.name}:{line}: {module}" for path in modules
+                 for line, module in _imported_modules(path) if _is_forbidden(module)]
+    assert offending == []
+
+
+def test_the_walk_catches_a_deferred_import(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from jaxrunner.runner import batch\n    import jax.numpy as jnp\n")
+    assert [m for _, m in _imported_modules(sample) if _is_forbidden(m)] == [
+        "jaxrunner.runner", "jaxrunner.runner.batch", "jax.numpy"]
+
+
+def test_importing_the_engine_loads_no_jax():
+    code = ("import sys, jaxrunner.engine.engine, jaxrunner.engine.loop, jaxrunner.sampling_params; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
