@@ -1,12 +1,15 @@
 """The host-side state of one generation request.
 
-A ``Request`` is plain data shared by three owners, each touching its own fields:
+A ``Request`` is the one record of a request's progress; each piece has one writer:
 
-* the engine appends sampled tokens (``append_output``) and decides when it is done; with async
-  scheduling it first counts a token that a dispatched step will sample (``expect_output``), so
-  the next step can be planned before that token reaches the host;
-* the scheduler moves it between WAITING and RUNNING and advances ``num_computed_tokens``;
-* the page allocator fills ``page_ids`` and ``num_cached_tokens``.
+* the scheduler owns progress: the status (WAITING, RUNNING, FINISHED), ``num_computed_tokens``,
+  ``page_ids`` and ``num_cached_tokens`` (from what the page allocator hands it; the allocator
+  only reads a request), preemptions and the speculative back-off;
+* the engine sets the request up (``max_tokens``, ``seed``, ``bad_words_token_ids``) and, with
+  async scheduling, counts a token that a dispatched step will sample (``expect_output``), so the
+  next step can be planned before that token reaches the host;
+* the output processor (``engine.output_processor``) appends sampled tokens (``append_output``)
+  and decides when the request stops; its text, logprobs and stop reason live there, not here.
 
 Tokens only ever grow, so ``all_token_ids`` is a stable prefix over the request's life. That is
 what lets a preempted request drop its KV pages and later recompute prompt + outputs from scratch

@@ -14,8 +14,10 @@ to be recomputed later (often mostly from the prefix cache). The oldest request 
 yield, which is why scheduling always makes progress, and ``add`` refuses requests that could not
 fit even alone.
 
-The scheduler only counts tokens. The engine appends sampled tokens, checks stop conditions and
-calls ``finish``. Under async scheduling a request's last sampled token may still be on the device
+The scheduler counts tokens and owns each request's progress: its status, ``num_computed_tokens``
+and page list. The page allocator hands pages out (or says None when it has too few) and the
+scheduler records them on the request. The engine's output processor appends sampled tokens and
+checks stop conditions; the engine then calls ``finish``. Under async scheduling a request's last sampled token may still be on the device
 (``Request.num_pending_outputs``): it counts as a token to compute like any other, and a request
 whose pending token is its last (``max_tokens``) is not scheduled again.
 
@@ -194,7 +196,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.allocator.free(request)
+        self._free_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._unfinished[request.request_id]
@@ -258,7 +260,7 @@ class Scheduler:
             return  # finished on one of this step's tokens: its pages are already freed
         request.num_computed_tokens += num_accepted
         self.allocator.commit_full_pages(request)
-        self.allocator.release_tail(request, request.num_tokens)
+        request.page_ids = self.allocator.release_tail(request, request.num_tokens)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         # sorted() is stable: decodes first, each group in admission order.
@@ -268,18 +270,15 @@ class Scheduler:
             if request.num_expected_outputs >= request.max_tokens:
                 continue  # its last token is still on the device: it finishes by length on arrival
             num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
-            if num_new == 0 or not step.has_prefill_slot(num_new):
+            if num_new == 0 or not step.has_prefill_slot(num_new) or not self._make_room(request, num_new, step):
                 continue
-            if self._make_room(request, num_new, step):
-                self.allocator.append(request, num_new)
-                draft = self._propose(request, step) if num_new == 1 else []
-                if draft:
-                    self.allocator.append(request, 1 + len(draft))
-                step.add(request, num_new, draft)
+            draft = self._propose(request, step) if num_new == 1 else []
+            step.add(request, num_new, draft)
 
     def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
         """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
-        pages allow (none when any of them is short). A request whose lookup finds nothing backs
+        pages allow (none when any of them is short; pages for them are taken here). A request
+        whose lookup finds nothing backs
         off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures), so that text with
         nothing to copy runs like non-speculative decoding (async scheduling included) most of the
         time."""
@@ -294,8 +293,11 @@ class Scheduler:
         draft = self.proposer.propose(request.all_token_ids, limit)
         if not draft:
             _back_off(request)
-        elif not self.allocator.can_append(request, 1 + len(draft)):
             return []
+        pages = self.allocator.allocate(request, 1 + len(draft))
+        if pages is None:
+            return []
+        request.page_ids += pages
         return draft
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
@@ -306,12 +308,14 @@ class Scheduler:
             cached_pages = self.allocator.find_cached_prefix(request)
             num_cached = len(cached_pages) * page_size
             num_new = self._chunk_size(request.num_tokens - num_cached, step.token_budget)
-            if num_new == 0 or not step.has_prefill_slot(num_new) \
-                    or not self.allocator.can_admit(cached_pages, num_cached + num_new):
+            pages = None
+            if num_new > 0 and step.has_prefill_slot(num_new):
+                pages = self.allocator.admit(request, cached_pages, num_cached + num_new)
+            if pages is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.allocator.allocate_prefix(request, cached_pages)
-            self.allocator.append(request, num_new)
+            request.page_ids = pages
+            request.num_cached_tokens = request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new)
@@ -319,15 +323,17 @@ class Scheduler:
             self.prefix_cache_queried_tokens += request.num_tokens
 
     def _make_room(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
-        """Preempt the newest running requests until ``request`` can grow by ``num_new`` tokens.
+        """Give ``request`` pages for ``num_new`` more tokens, preempting the newest running requests
+        until the pool has them.
 
         False when ``request`` itself had to go (it was the newest one left).
         """
-        while not self.allocator.can_append(request, num_new):
+        while (pages := self.allocator.allocate(request, num_new)) is None:
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is request:
                 return False
+        request.page_ids += pages
         return True
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
@@ -335,12 +341,16 @@ class Scheduler:
         step.remove(request)
         step.preempted.append(request)
         self.running.remove(request)
-        self.allocator.free(request)
+        self._free_pages(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _free_pages(self, request: Request) -> None:
+        self.allocator.free(request)
+        request.page_ids = []
 
     def _chunk_size(self, num_remaining: int, token_budget: int) -> int:
         """How many of ``num_remaining`` tokens to compute now (0: wait for a later step).
