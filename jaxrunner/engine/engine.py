@@ -33,7 +33,7 @@ import threading
 import jax
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.detokenizer import IncrementalDetokenizer
+from jaxrunner.engine.output_processor import OutputProcessor
 from jaxrunner.engine.page_allocator import PageAllocator
 from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -41,7 +41,7 @@ from jaxrunner.engine.spec_decode import NgramProposer
 from jaxrunner.engine.startup import start_runner
 from jaxrunner.models.loader import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_model
-from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from jaxrunner.outputs import RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner import weights
 from jaxrunner.runner.batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, pack_step
@@ -50,21 +50,6 @@ from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """Engine-side companions of a request: its text state and what it reports."""
-
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    max_tokens: int
-    logprobs: list[LogprobsDict] | None
-    # per prompt position (None at 0 and until computed), with SamplingParams.prompt_logprobs
-    prompt_logprobs: list[LogprobsDict | None] | None = None
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +124,7 @@ class LLMEngine:
             PageAllocator(spec.num_pages, spec.page_size, config.enable_prefix_caching),
             proposer=self._proposer(config))
         self.eos_token_ids = self._eos_token_ids()
-        self._tracked: dict[str, _Tracked] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._arrivals = itertools.count()
         # recent steps only: a long-running server must not grow a list per step forever
         self.tokens_per_step: collections.deque[int] = collections.deque(maxlen=10_000)
@@ -265,7 +250,7 @@ class LLMEngine:
         self.check_caller()
         valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params)
         request_id = str(request_id)
-        if request_id in self._tracked:
+        if request_id in self.output_processor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params, token_ids = valid.sampling_params, valid.prompt_token_ids
         arrival = next(self._arrivals)
@@ -276,12 +261,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed,
                           bad_words_token_ids=self._bad_words_token_ids(params))
         self.scheduler.add(request)
-        self._tracked[request_id] = _Tracked(
-            request, valid.prompt, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                          params.stop,
-                                                          params.include_stop_str_in_output),
-            max_tokens, [] if params.logprobs is not None else None,
-            [None] * len(token_ids) if params.prompt_logprobs is not None else None)
+        self.output_processor.add_request(request, valid.prompt)
 
     def check_caller(self) -> None:
         """Refuse a call from outside the engine loop's thread while a loop owns this engine."""
@@ -289,7 +269,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.check_caller()
-        if self._tracked.pop(str(request_id), None) is not None:
+        if self.output_processor.abort_request(str(request_id)):
             self.scheduler.abort(str(request_id))
 
     def has_unfinished_requests(self) -> bool:
@@ -354,7 +334,7 @@ class LLMEngine:
         wants_prompt = any(chunk.request.sampling_params.prompt_logprobs is not None for chunk in plan.chunks)
         sampled = self.runner.fetch(pending.device_outputs, wants_prompt)  # the prompt outputs only when asked
         if wants_prompt:
-            self._accept_prompt_logprobs(plan, sampled)
+            self.output_processor.accept_prompt_logprobs(plan.chunks, sampled)
         if not pending.updated:
             self.scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
@@ -370,104 +350,22 @@ class LLMEngine:
         return outputs
 
     def num_unfinished_requests(self) -> int:
-        return len(self._tracked)
+        return len(self.output_processor)
 
     def _accept_chunk(self, chunk: ScheduledChunk, sampled, row: int, draft_row: int) -> RequestOutput:
-        """Append the chunk's sampled token; with proposals, the rows verifying them first: each
-        token is kept, and the walk goes on only while it equals the proposal it checked (then the
-        proposal's KV is right). One output carries every token appended."""
+        """Hand the chunk's sampled rows to the output processor (with proposals, the rows verifying
+        them first), then tell the scheduler of a stop and of the proposals accepted. One output
+        carries every token appended."""
         request, draft = chunk.request, chunk.draft_token_ids
-        tracked = self._tracked[request.request_id]
         rows = list(range(draft_row, draft_row + len(draft))) + [row]
-        num_accepted = 0
-        for index, sampled_row in enumerate(rows):
-            token, reason = self._append_token(tracked, sampled, sampled_row)
-            if reason is not None:
-                self.scheduler.finish(request, reason)
-                break
-            if index == len(draft) or token != draft[index]:
-                break
-            num_accepted += 1
+        num_accepted, reason = self.output_processor.append_sampled(request, sampled, rows, draft)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
         if draft:
             self.num_draft_tokens += len(draft)
             self.num_accepted_draft_tokens += num_accepted
             self.scheduler.accept_drafts(chunk, num_accepted)
-        return self._output_of(tracked)
-
-    def _output_of(self, tracked: _Tracked) -> RequestOutput:
-        finished = tracked.request.is_finished
-        output = self._output(tracked, tracked.detokenizer.take_delta(finished=finished))
-        if finished:
-            del self._tracked[tracked.request.request_id]
-        return output
-
-    def _append_token(self, tracked: _Tracked, sampled, row: int) -> tuple[int, str | None]:
-        """Append the token of ``row`` with its logprobs; returns it and the finish reason (or None)."""
-        request = tracked.request
-        token = int(sampled["tokens"][row])
-        request.append_output(token)
-        delta_len = tracked.detokenizer.append(token)
-        logprob = float(sampled["logprobs"][row])
-        tracked.cumulative_logprob += logprob
-        if tracked.logprobs is not None:
-            tracked.logprobs.append(self._logprobs_dict(
-                token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
-                sampled["top_ids"][row], sampled["top_logprobs"][row]))
-        return token, self._finish_reason(tracked, token, delta_len)
-
-    def _accept_prompt_logprobs(self, plan, sampled) -> None:
-        """Record the prompt logprobs a step computed: the row of prompt position p holds those of
-        the token at p + 1. Chunks accumulate; a position computed twice (after a preemption)
-        keeps its first record."""
-        cursor = 0
-        for chunk in plan.chunks:
-            tracked = self._tracked.get(chunk.request.request_id)
-            if tracked is not None and tracked.prompt_logprobs is not None:
-                prompt, k = chunk.request.prompt_token_ids, chunk.request.sampling_params.prompt_logprobs
-                for position in range(chunk.start, min(chunk.end, len(prompt) - 1)):
-                    row = cursor + position - chunk.start
-                    if tracked.prompt_logprobs[position + 1] is None:
-                        tracked.prompt_logprobs[position + 1] = self._logprobs_dict(
-                            prompt[position + 1], float(sampled["prompt_logprobs"][row]),
-                            int(sampled["prompt_ranks"][row]), k, sampled["prompt_top_ids"][row],
-                            sampled["prompt_top_logprobs"][row])
-            cursor += chunk.num_tokens
-
-    def _logprobs_dict(self, token: int, logprob: float, rank: int, k: int, top_ids, top_logprobs) -> LogprobsDict:
-        """vLLM's shape: the actual token first, then the top ``k`` (ranks 1..k)."""
-        entries = {token: Logprob(logprob, rank, self._decode_token(token))}
-        for rank_in_top, (top, value) in enumerate(zip(top_ids[:k], top_logprobs[:k]), start=1):
-            entries.setdefault(int(top), Logprob(float(value), rank_in_top, self._decode_token(int(top))))
-        return entries
-
-    def _decode_token(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
-
-    def _finish_reason(self, tracked: _Tracked, token: int, delta_len: int) -> str | None:
-        request, params = tracked.request, tracked.request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
-                tracked.stop_reason = None if token in self.eos_token_ids else token
-                return "stop"
-            stop = tracked.detokenizer.find_stop(delta_len)
-            if stop is not None:
-                tracked.stop_reason = stop
-                return "stop"
-        if request.num_output_tokens >= tracked.max_tokens:
-            return "length"
-        return None
-
-    def _output(self, tracked: _Tracked, delta: str) -> RequestOutput:
-        request = tracked.request
-        completion = CompletionOutput(
-            index=0, text=tracked.detokenizer.output_text, token_ids=list(request.output_token_ids),
-            cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
-            finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
-        return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
-                             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
-                             delta_text=delta, prompt_logprobs=tracked.prompt_logprobs,
-                             num_draft_tokens=request.num_draft_tokens,
-                             num_accepted_draft_tokens=request.num_accepted_draft_tokens)
+        return self.output_processor.make_output(request)
 
     # ------------------------------------------------------------------ weights
     @property
@@ -490,7 +388,7 @@ class LLMEngine:
         weights.check_like(params, self.runner.params)
         placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.params))
         if abort_in_flight:
-            for request_id in list(self._tracked):
+            for request_id in self.output_processor.request_ids():
                 self.abort_request(request_id)
         self.runner.params = placed
         self.model = dataclasses.replace(self.model, params=placed)
@@ -506,7 +404,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "pages_in_use": allocator.num_used_pages,
             "pages_total": self.runner.cache_spec.num_pages,
-            "num_unfinished": sum(1 for t in self._tracked.values() if not t.request.is_finished),
+            "num_unfinished": self.num_unfinished_requests(),
             "max_pages_per_seq": math.ceil(self.max_model_len / self.runner.cache_spec.page_size),
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
