@@ -161,7 +161,9 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
         text, token_ids = self._prompt_token_ids(prompt)
-        self._validate_prompt(token_ids)
+        self._check_vocabulary("prompt_token_ids", token_ids)
+        # the scheduler's own test of a request that could never run (empty, too long, too big)
+        self.scheduler.check_fits(len(token_ids), self._output_cap(params, len(token_ids)))
         return ValidRequest(text, token_ids, params)
 
     def _prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -180,16 +182,18 @@ class LLMEngine:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
         return prompt, list(self.tokenizer.encode(prompt))
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt: empty prompt (no tokens)")
+    def _check_vocabulary(self, name: str, token_ids) -> None:
+        """Every id in ``token_ids`` (the field ``name``) is a token of this model."""
         vocab = self.model.config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in token_ids or () if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(f"{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+
+    def _output_cap(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """``Request.max_tokens``: ``params.max_tokens``, lowered to what max_model_len leaves after
+        the prompt (all of it when None)."""
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     # ------------------------------------------------------------------ sampling params
     @property
@@ -208,12 +212,9 @@ class LLMEngine:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name}={value!r}: must be in [0, max_logprobs="
                                  f"{self.max_logprobs}] (or None)")
-        vocab = self.model.config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", list(params.logit_bias or ()))):
-            bad = [t for t in ids or () if t >= vocab]
-            if bad:
-                raise ValueError(f"SamplingParams.{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+            self._check_vocabulary(f"SamplingParams.{name}", ids)
         for name, count, cap in (("logit_bias", len(params.logit_bias or ()), MAX_LOGIT_BIAS),
                                  ("allowed_token_ids", len(set(params.allowed_token_ids or ())), MAX_ALLOWED_TOKEN_IDS)):
             if count > cap:
@@ -249,18 +250,14 @@ class LLMEngine:
         ``add_request``/``step``/``abort_request``; others get a ``RuntimeError``."""
         self.check_caller()
         valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params)
-        request_id = str(request_id)
-        if request_id in self.output_processor:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
         params, token_ids = valid.sampling_params, valid.prompt_token_ids
         arrival = next(self._arrivals)
         # Unseeded requests get a seed derived from the engine's, so a run is reproducible.
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & (2**64 - 1)
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed,
+        request = Request(str(request_id), token_ids, params, arrival_index=arrival,
+                          max_tokens=self._output_cap(params, len(token_ids)), seed=seed,
                           bad_words_token_ids=self._bad_words_token_ids(params))
-        self.scheduler.add(request)
+        self.scheduler.add(request)  # refuses an id in use
         self.output_processor.add_request(request, valid.prompt)
 
     def check_caller(self) -> None:

@@ -23,6 +23,13 @@ from dataclasses import dataclass, field
 from jaxrunner.sampling_params import SamplingParams
 
 
+def check_request_id_free(request_id: str, live_ids) -> None:
+    """The rule for ids: one names at most one live request (free again once it finished or was
+    aborted). ``live_ids``: the ids the caller holds requests under (a set or a dict)."""
+    if request_id in live_ids:
+        raise ValueError(f"request_id: {request_id!r} is already in use")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"    # queued: new, or preempted and holding no pages
     RUNNING = "running"    # holds KV pages and is scheduled step after step
@@ -47,8 +54,9 @@ class Request:
     # Tokens served by the prefix cache at the latest admission (not recomputed).
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # Output cap the scheduler sizes the request by: sampling_params.max_tokens unless the engine
-    # lowers it (e.g. to what is left of max_model_len after the prompt).
+    # The output cap, the one the scheduler sizes the request by and the output processor stops it
+    # at ("length"): sampling_params.max_tokens unless the engine lowers it (e.g. to what is left of
+    # max_model_len after the prompt).
     max_tokens: int | None = None
     seed: int | None = None  # the sampler's 64-bit seed for this request, chosen by the engine
     # SamplingParams.bad_words as token sequences (the engine tokenizes them, as vLLM does).

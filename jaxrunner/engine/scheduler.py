@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxrunner.engine.page_allocator import PageAllocator, cdiv
-from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.engine.request import Request, RequestStatus, check_request_id_free
 
 # Decodes a request skips proposals for after a lookup found nothing or every proposal was
 # rejected; doubled after each further failure in a row, up to the maximum.
@@ -375,36 +375,41 @@ class Scheduler:
     # -- admission checks ---------------------------------------------------------------------
 
     def _check_can_ever_run(self, request: Request) -> None:
-        """Reject requests that could not be scheduled even with the whole engine to themselves."""
-        rid = request.request_id
-        if rid in self._unfinished:
-            raise ValueError(f"request_id={rid!r} is already queued or running")
+        """Reject requests whose id is taken or that could not be scheduled even alone."""
+        check_request_id_free(request.request_id, self._unfinished)
         if request.is_finished:
-            raise ValueError(f"request {rid!r} is already finished")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
+            raise ValueError(f"request {request.request_id!r} is already finished")
+        try:
+            self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        except ValueError as err:
+            raise ValueError(f"request {request.request_id!r}: {err}") from None
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError when a request with this many prompt tokens and this output cap could never be
+        scheduled, even with the engine to itself. Reads only the configuration, so front ends call
+        it (through ``LLMEngine.validate_request``) from any thread before they queue anything."""
         max_model_len = self.config.max_model_len
-        if request.max_tokens < 1:
-            raise ValueError(
-                f"request {rid!r}: max_tokens={request.max_tokens} leaves nothing to generate "
-                f"(prompt {num_prompt} tokens, max_model_len={max_model_len})")
-        max_len = num_prompt + request.max_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
+                             f"max_model_len={max_model_len}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: {max_tokens} leaves nothing to generate "
+                             f"(prompt {num_prompt_tokens} tokens, max_model_len={max_model_len})")
+        max_len = num_prompt_tokens + max_tokens
         if max_len > max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
-                f"({request.max_tokens}) = {max_len} exceeds max_model_len={max_model_len}")
+            raise ValueError(f"max_tokens: {max_tokens} after a prompt of {num_prompt_tokens} tokens makes "
+                             f"{max_len}, beyond max_model_len={max_model_len}")
         # The last sampled token is never fed back, so at most max_len - 1 tokens need KV.
         pages = cdiv(max_len - 1, self.config.page_size)
         if pages > self.allocator.num_usable_pages:
-            raise ValueError(
-                f"request {rid!r}: needs up to {pages} KV pages, the cache has "
-                f"{self.allocator.num_usable_pages}")
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens and up to {max_tokens} outputs need {pages} "
+                             f"KV pages, the cache has {self.allocator.num_usable_pages}")
         budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and num_prompt > budget:
-            raise ValueError(
-                f"request {rid!r}: prompt ({num_prompt} tokens) exceeds "
-                f"max_num_batched_tokens={budget} and chunked prefill is off")
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > budget:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens exceed max_num_batched_tokens={budget} "
+                             "and chunked prefill is off")
 
     # -- introspection ------------------------------------------------------------------------
 
