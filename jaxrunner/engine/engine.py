@@ -9,8 +9,8 @@ step N+1 *before* it waits for step N, so the host's planning, packing and dispa
 device. Step N's sampled tokens stay on the device and feed N+1 (``feed_rows``); the scheduler
 counts them as pending (``Request.expect_output``). A request that stops at step N (EOS, stop
 string) has one wasted token computed in N+1, which is dropped; one that reaches ``max_tokens``
-is not scheduled again. Steps whose requests use penalties (which need every past token on the
-host) run synchronously. Each ``step()`` still returns the outputs of exactly one step.
+is not scheduled again. Some requests make steps synchronous (``Request.needs_host_history`` says
+which, and why). Each ``step()`` still returns the outputs of exactly one step.
 
 Speculative decoding (``speculative_method``): the scheduler attaches proposals to decodes, the
 step verifies them, and ``complete_step`` appends the accepted ones plus the model's next token
@@ -305,8 +305,8 @@ class LLMEngine:
 
     def _can_plan_behind(self) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
-        when a request's sampling needs its whole history (penalties) on the host, nor with
-        speculative decoding while a running request wants a proposal (made from every past token)."""
+        while a request ``needs_host_history``, nor with speculative decoding while a running
+        request wants a proposal (made from every past token)."""
         if self.scheduler.proposer is not None and any(r.wants_proposal for r in self.scheduler.running):
             return False
         return not any(request.needs_host_history

@@ -84,8 +84,11 @@ class Request:
     @property
     def needs_host_history(self) -> bool:
         """Whether sampling this request's next token reads its past tokens on the host: penalties,
-        and bad words of several tokens (their prefix is matched against the output). Such requests
-        take the synchronous path: async scheduling waits for the step in flight."""
+        and bad words of several tokens (their prefix is matched against the output).
+
+        The rule that follows, stated here only: while such a request is queued, steps run
+        synchronously (async scheduling waits for the step in flight, so no token of it is still
+        on the device when the next step is packed)."""
         return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property
