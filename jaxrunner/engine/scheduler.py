@@ -277,11 +277,10 @@ class Scheduler:
 
     def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
         """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
-        pages allow (none when any of them is short; pages for them are taken here). A request
-        whose lookup finds nothing backs
-        off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures), so that text with
-        nothing to copy runs like non-speculative decoding (async scheduling included) most of the
-        time."""
+        pages allow (none when any of them is short; their pages are taken here). A request whose
+        lookup finds nothing backs off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated
+        failures), so that text with nothing to copy runs like non-speculative decoding (async
+        scheduling included) most of the time."""
         if request.spec_backoff > 0:
             request.spec_backoff -= 1
             return []
