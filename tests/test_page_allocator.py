@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -22,11 +24,31 @@ def assert_private(allocator, request, start, end):
 
 
 def admit(allocator, request, num_new=None):
-    """What the scheduler does: cached prefix, then pages for the rest (all of it by default)."""
-    num_cached = allocator.allocate_prefix(request)
+    """What the scheduler does: cached prefix, then pages for the rest (all of it by default); the
+    pages handed out are recorded on the request. Returns the number of cached tokens."""
+    cached = allocator.find_cached_prefix(request)
+    num_cached = len(cached) * PAGE
     num_new = request.num_tokens - num_cached if num_new is None else num_new
-    allocator.append(request, num_new)
+    pages = allocator.admit(request, cached, num_cached + num_new)
+    assert pages is not None and pages[:len(cached)] == cached
+    request.page_ids = pages
+    request.num_cached_tokens = request.num_computed_tokens = num_cached
     return num_cached
+
+
+def grow(allocator, request, num_new):
+    """Pages for ``num_new`` more tokens, recorded on the request; False (nothing taken) when short."""
+    pages = allocator.allocate(request, num_new)
+    if pages is None:
+        return False
+    request.page_ids += pages
+    return True
+
+
+def free(allocator, request):
+    """What the scheduler does when a request finishes or is preempted."""
+    allocator.free(request)
+    request.page_ids = []
 
 
 def compute(allocator, request, num_new=None):
@@ -46,7 +68,7 @@ def test_scratch_page_is_never_handed_out():
     allocator.check_invariants([request])
 
 
-def test_append_grows_to_cover_tokens_and_refuses_when_out_of_pages():
+def test_allocate_grows_to_cover_tokens_and_refuses_when_out_of_pages():
     allocator = PageAllocator(num_pages=4, page_size=PAGE)
     request = make_request(range(5))
     admit(allocator, request, num_new=5)
@@ -55,10 +77,51 @@ def test_append_grows_to_cover_tokens_and_refuses_when_out_of_pages():
     request.num_computed_tokens = 5
     assert allocator.pages_needed(request, 3) == 0  # 8 tokens still fit in 2 pages
     assert allocator.pages_needed(request, 4) == 1
-    assert allocator.can_append(request, 7) and not allocator.can_append(request, 8)
-    with pytest.raises(RuntimeError, match="out of KV pages"):
-        allocator.append(request, 8)
+    assert allocator.allocate(request, 8) is None  # 4 pages for 13 tokens: one more than is free
+    assert allocator.num_free_pages == 1, "a refused allocation takes nothing"
+    assert grow(allocator, request, 7) and len(request.page_ids) == 3 and allocator.num_free_pages == 0
     allocator.check_invariants([request])
+
+
+def test_admit_takes_nothing_when_the_pool_is_short_and_refuses_a_request_holding_pages():
+    allocator = PageAllocator(num_pages=4, page_size=PAGE)  # 3 usable
+    request = make_request(range(3 * PAGE + 1))
+    assert allocator.admit(request, [], request.num_tokens) is None
+    assert allocator.num_free_pages == 3
+    admit(allocator, request, num_new=2 * PAGE)
+    with pytest.raises(ValueError, match="already holds pages"):
+        allocator.admit(request, [], 1)
+    allocator.check_invariants([request])
+
+
+def test_the_allocator_writes_nothing_into_a_request():
+    """It reads requests and returns pages; the scheduler alone records them. Every call, from
+    admission through growth, registration and rollback to free, leaves the request as it was."""
+    allocator = PageAllocator(num_pages=16, page_size=PAGE)
+    first = make_request(range(2 * PAGE + 1), "a")
+    admit(allocator, first)
+    compute(allocator, first)
+    request = make_request(range(2 * PAGE + 3), "b")
+
+    def untouched(call):
+        before = copy.deepcopy(vars(request))
+        result = call()
+        assert vars(request) == before, call
+        return result
+
+    cached = untouched(lambda: allocator.find_cached_prefix(request))
+    assert len(cached) == 2
+    assert untouched(lambda: allocator.can_admit(cached, request.num_tokens))
+    request.page_ids = untouched(lambda: allocator.admit(request, cached, request.num_tokens))
+    request.num_computed_tokens = request.num_tokens
+    untouched(lambda: allocator.commit_full_pages(request))
+    request.page_ids += untouched(lambda: allocator.allocate(request, 2 * PAGE))
+    assert len(request.page_ids) == 5
+    request.page_ids = untouched(lambda: allocator.release_tail(request, request.num_tokens))
+    assert len(request.page_ids) == 3
+    allocator.check_invariants([first, request])
+    untouched(lambda: allocator.free(request))
+    allocator.check_invariants([first])
 
 
 def test_free_returns_every_page():
@@ -68,7 +131,6 @@ def test_free_returns_every_page():
     compute(allocator, request)
     assert allocator.num_used_pages == 3
     allocator.free(request)
-    assert request.page_ids == []
     assert allocator.num_used_pages == 0 and allocator.num_cached_pages == 0
     assert allocator.num_free_pages == 7
     allocator.check_invariants([])
@@ -162,7 +224,7 @@ def test_cached_pages_evicted_lru_only_when_no_plain_page_is_left():
     assert allocator.find_cached_prefix(make_request([1] * PAGE + [5])) != []
 
     # The next fresh page evicts the least recently freed cached page: old's.
-    allocator.append(filler, 2)
+    assert grow(allocator, filler, 2)
     assert allocator.find_cached_prefix(make_request([1] * PAGE + [5])) == []
     assert allocator.find_cached_prefix(make_request([2] * PAGE + [5])) != []
     allocator.check_invariants([filler])
@@ -192,10 +254,10 @@ def test_preempted_request_hits_its_own_outputs():
     compute(allocator, request)
     for t in range(2 * PAGE):  # decode steps
         request.append_output(50 + t)
-        allocator.append(request, 1)
+        assert grow(allocator, request, 1)
         compute(allocator, request, 1)
     assert request.num_tokens == 3 * PAGE + 1
-    allocator.free(request)
+    free(allocator, request)
     request.num_computed_tokens = 0
     assert admit(allocator, request) == 3 * PAGE  # past the prompt, into the outputs
 
@@ -266,15 +328,14 @@ def test_random_admit_grow_free_keeps_invariants(num_pages, caching, ops):
             live.append(request)
         elif op == "grow" and live:
             request = live[pick % len(live)]
-            if not allocator.can_append(request, size):
+            if not grow(allocator, request, size):
                 continue
             request.output_token_ids.extend([9] * size)
-            allocator.append(request, size)
             start = request.num_computed_tokens
             assert_private(allocator, request, start, start + size)
             compute(allocator, request, size)
         elif op == "free" and live:
-            allocator.free(live.pop(pick % len(live)))
+            free(allocator, live.pop(pick % len(live)))
         allocator.check_invariants(live)
     for request in live:
         allocator.free(request)

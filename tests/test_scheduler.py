@@ -325,8 +325,13 @@ def test_the_engine_may_lower_max_tokens_to_fit_the_context():
     assert request.num_output_tokens == 2
     full = make_request("full", range(32))
     full.max_tokens = 0
-    with pytest.raises(ValueError, match="max_tokens=0"):
+    with pytest.raises(ValueError, match="no room to generate within max_model_len=32"):
         scheduler.add(full)
+    capped = make_request("capped", range(31))
+    capped.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens: 0 leaves nothing"):
+        scheduler.add(capped)
+    assert scheduler.get_request("full") is None and scheduler.get_request("capped") is None
 
 
 def test_a_request_needing_every_usable_page_runs_alone():

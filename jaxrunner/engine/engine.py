@@ -9,8 +9,8 @@ step N+1 *before* it waits for step N, so the host's planning, packing and dispa
 device. Step N's sampled tokens stay on the device and feed N+1 (``feed_rows``); the scheduler
 counts them as pending (``Request.expect_output``). A request that stops at step N (EOS, stop
 string) has one wasted token computed in N+1, which is dropped; one that reaches ``max_tokens``
-is not scheduled again. Steps whose requests use penalties (which need every past token on the
-host) run synchronously. Each ``step()`` still returns the outputs of exactly one step.
+is not scheduled again. Some requests make steps synchronous (``Request.needs_host_history`` says
+which, and why). Each ``step()`` still returns the outputs of exactly one step.
 
 Speculative decoding (``speculative_method``): the scheduler attaches proposals to decodes, the
 step verifies them, and ``complete_step`` appends the accepted ones plus the model's next token
@@ -32,31 +32,16 @@ import threading
 from typing import Sequence
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.executor import Executor, StepHandle
+from jaxrunner.engine.output_processor import OutputProcessor
 from jaxrunner.engine.page_allocator import PageAllocator
-from jaxrunner.engine.request import Request
+from jaxrunner.engine.request import Request, check_request_id_free
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxrunner.engine.spec_decode import NgramProposer
-from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxrunner")
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """Engine-side companions of a request: its text state and what it reports."""
-
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    max_tokens: int
-    logprobs: list[LogprobsDict] | None
-    # per prompt position (None at 0 and until computed), with SamplingParams.prompt_logprobs
-    prompt_logprobs: list[LogprobsDict | None] | None = None
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +112,7 @@ class LLMEngine:
         self.replicas = [_Replica(executor, self._scheduler_for(config, executor)) for executor in executors]
         self.executor = executors[0]  # replicas serve the same model with the same limits
         self.max_model_len = min(executor.max_model_len for executor in executors)
-        self._tracked: dict[str, _Tracked] = {}
+        self.output_processor = OutputProcessor(self.executor.tokenizer, self.executor.eos_token_ids)
         self._replica_of: dict[str, _Replica] = {}
         self._arrivals = itertools.count()
         # recent steps only: a long-running server must not grow a list per step forever
@@ -170,6 +155,8 @@ class LLMEngine:
     def tokenizer(self, tokenizer) -> None:
         for replica in self.replicas:
             replica.executor.tokenizer = tokenizer
+        self.output_processor.tokenizer = tokenizer
+        self.output_processor.eos_token_ids = self.executor.eos_token_ids
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -195,7 +182,9 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
         text, token_ids = self._prompt_token_ids(prompt)
-        self._validate_prompt(token_ids)
+        self._check_vocabulary("prompt_token_ids", token_ids)
+        # the scheduler's own test of a request that could never run (empty, too long, too big)
+        self.scheduler.check_fits(len(token_ids), self._output_cap(params, len(token_ids)))
         return ValidRequest(text, token_ids, params)
 
     def _prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -214,16 +203,18 @@ class LLMEngine:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
         return prompt, list(self.tokenizer.encode(prompt))
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt: empty prompt (no tokens)")
+    def _check_vocabulary(self, name: str, token_ids) -> None:
+        """Every id in ``token_ids`` (the field ``name``) is a token of this model."""
         vocab = self.executor.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in token_ids or () if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(f"{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+
+    def _output_cap(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """``Request.max_tokens``: ``params.max_tokens``, lowered to what max_model_len leaves after
+        the prompt (all of it when None)."""
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     # ------------------------------------------------------------------ sampling params
     @property
@@ -242,12 +233,9 @@ class LLMEngine:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name}={value!r}: must be in [0, max_logprobs="
                                  f"{self.max_logprobs}] (or None)")
-        vocab = self.executor.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", list(params.logit_bias or ()))):
-            bad = [t for t in ids or () if t >= vocab]
-            if bad:
-                raise ValueError(f"SamplingParams.{name}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+            self._check_vocabulary(f"SamplingParams.{name}", ids)
         limits = self.executor.limits
         for name, count, cap in (("logit_bias", len(params.logit_bias or ()), limits.max_logit_bias),
                                  ("allowed_token_ids", len(set(params.allowed_token_ids or ())),
@@ -286,25 +274,18 @@ class LLMEngine:
         self.check_caller()
         valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params)
         request_id = str(request_id)
-        if request_id in self._tracked:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        check_request_id_free(request_id, self._replica_of)  # over every replica
         params, token_ids = valid.sampling_params, valid.prompt_token_ids
         arrival = next(self._arrivals)
         # Unseeded requests get a seed derived from the engine's, so a run is reproducible.
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & (2**64 - 1)
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        request = Request(request_id, token_ids, params, arrival_index=arrival, max_tokens=max_tokens, seed=seed,
+        request = Request(request_id, token_ids, params, arrival_index=arrival,
+                          max_tokens=self._output_cap(params, len(token_ids)), seed=seed,
                           bad_words_token_ids=self._bad_words_token_ids(params))
         replica = min(self.replicas, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
         replica.scheduler.add(request)
         self._replica_of[request_id] = replica
-        self._tracked[request_id] = _Tracked(
-            request, valid.prompt, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                          params.stop,
-                                                          params.include_stop_str_in_output),
-            max_tokens, [] if params.logprobs is not None else None,
-            [None] * len(token_ids) if params.prompt_logprobs is not None else None)
+        self.output_processor.add_request(request, valid.prompt)
 
     def check_caller(self) -> None:
         """Refuse a call from outside the engine loop's thread while a loop owns this engine."""
@@ -312,7 +293,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.check_caller()
-        if self._tracked.pop(str(request_id), None) is not None:
+        if self.output_processor.abort_request(str(request_id)):
             self._replica_of.pop(str(request_id)).scheduler.abort(str(request_id))
 
     def has_unfinished_requests(self) -> bool:
@@ -345,8 +326,8 @@ class LLMEngine:
 
     def _can_plan_behind(self, replica: _Replica) -> bool:
         """Whether the next step can be planned before the current step's tokens are on the host: not
-        when a request's sampling needs its whole history (penalties) on the host, nor with
-        speculative decoding while a running request wants a proposal (made from every past token)."""
+        while a request ``needs_host_history``, nor with speculative decoding while a running
+        request wants a proposal (made from every past token)."""
         scheduler = replica.scheduler
         if scheduler.proposer is not None and any(r.wants_proposal for r in scheduler.running):
             return False
@@ -371,7 +352,7 @@ class LLMEngine:
         wants_prompt = any(chunk.request.sampling_params.prompt_logprobs is not None for chunk in plan.chunks)
         sampled = pending.replica.executor.fetch(pending.handle, wants_prompt)  # the prompt outputs only when asked
         if wants_prompt:
-            self._accept_prompt_logprobs(plan, sampled)
+            self.output_processor.accept_prompt_logprobs(plan.chunks, sampled)
         if not pending.updated:
             scheduler.update(plan)
         self.tokens_per_step.append(plan.num_batched_tokens)
@@ -387,106 +368,25 @@ class LLMEngine:
         return outputs
 
     def num_unfinished_requests(self) -> int:
-        return len(self._tracked)
+        return len(self.output_processor)
 
     def _accept_chunk(self, scheduler: Scheduler, chunk: ScheduledChunk, sampled, row: int,
                       draft_row: int) -> RequestOutput:
-        """Append the chunk's sampled token; with proposals, the rows verifying them first: each
-        token is kept, and the walk goes on only while it equals the proposal it checked (then the
-        proposal's KV is right). One output carries every token appended."""
+        """Hand the chunk's sampled rows to the output processor (with proposals, the rows verifying
+        them first), then tell the scheduler of a stop and of the proposals accepted. One output
+        carries every token appended."""
         request, draft = chunk.request, chunk.draft_token_ids
-        tracked = self._tracked[request.request_id]
         rows = list(range(draft_row, draft_row + len(draft))) + [row]
-        num_accepted = 0
-        for index, sampled_row in enumerate(rows):
-            token, reason = self._append_token(tracked, sampled, sampled_row)
-            if reason is not None:
-                scheduler.finish(request, reason)
-                break
-            if index == len(draft) or token != draft[index]:
-                break
-            num_accepted += 1
+        num_accepted, reason = self.output_processor.append_sampled(request, sampled, rows, draft)
+        if reason is not None:
+            scheduler.finish(request, reason)
         if draft:
             self.num_draft_tokens += len(draft)
             self.num_accepted_draft_tokens += num_accepted
             scheduler.accept_drafts(chunk, num_accepted)
-        return self._output_of(tracked)
-
-    def _output_of(self, tracked: _Tracked) -> RequestOutput:
-        finished = tracked.request.is_finished
-        output = self._output(tracked, tracked.detokenizer.take_delta(finished=finished))
-        if finished:
-            del self._tracked[tracked.request.request_id]
-            del self._replica_of[tracked.request.request_id]
-        return output
-
-    def _append_token(self, tracked: _Tracked, sampled, row: int) -> tuple[int, str | None]:
-        """Append the token of ``row`` with its logprobs; returns it and the finish reason (or None)."""
-        request = tracked.request
-        token = int(sampled["tokens"][row])
-        request.append_output(token)
-        delta_len = tracked.detokenizer.append(token)
-        logprob = float(sampled["logprobs"][row])
-        tracked.cumulative_logprob += logprob
-        if tracked.logprobs is not None:
-            tracked.logprobs.append(self._logprobs_dict(
-                token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
-                sampled["top_ids"][row], sampled["top_logprobs"][row]))
-        return token, self._finish_reason(tracked, token, delta_len)
-
-    def _accept_prompt_logprobs(self, plan, sampled) -> None:
-        """Record the prompt logprobs a step computed: the row of prompt position p holds those of
-        the token at p + 1. Chunks accumulate; a position computed twice (after a preemption)
-        keeps its first record."""
-        cursor = 0
-        for chunk in plan.chunks:
-            tracked = self._tracked.get(chunk.request.request_id)
-            if tracked is not None and tracked.prompt_logprobs is not None:
-                prompt, k = chunk.request.prompt_token_ids, chunk.request.sampling_params.prompt_logprobs
-                for position in range(chunk.start, min(chunk.end, len(prompt) - 1)):
-                    row = cursor + position - chunk.start
-                    if tracked.prompt_logprobs[position + 1] is None:
-                        tracked.prompt_logprobs[position + 1] = self._logprobs_dict(
-                            prompt[position + 1], float(sampled["prompt_logprobs"][row]),
-                            int(sampled["prompt_ranks"][row]), k, sampled["prompt_top_ids"][row],
-                            sampled["prompt_top_logprobs"][row])
-            cursor += chunk.num_tokens
-
-    def _logprobs_dict(self, token: int, logprob: float, rank: int, k: int, top_ids, top_logprobs) -> LogprobsDict:
-        """vLLM's shape: the actual token first, then the top ``k`` (ranks 1..k)."""
-        entries = {token: Logprob(logprob, rank, self._decode_token(token))}
-        for rank_in_top, (top, value) in enumerate(zip(top_ids[:k], top_logprobs[:k]), start=1):
-            entries.setdefault(int(top), Logprob(float(value), rank_in_top, self._decode_token(int(top))))
-        return entries
-
-    def _decode_token(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
-
-    def _finish_reason(self, tracked: _Tracked, token: int, delta_len: int) -> str | None:
-        request, params = tracked.request, tracked.request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
-                tracked.stop_reason = None if token in self.eos_token_ids else token
-                return "stop"
-            stop = tracked.detokenizer.find_stop(delta_len)
-            if stop is not None:
-                tracked.stop_reason = stop
-                return "stop"
-        if request.num_output_tokens >= tracked.max_tokens:
-            return "length"
-        return None
-
-    def _output(self, tracked: _Tracked, delta: str) -> RequestOutput:
-        request = tracked.request
-        completion = CompletionOutput(
-            index=0, text=tracked.detokenizer.output_text, token_ids=list(request.output_token_ids),
-            cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
-            finish_reason=request.finish_reason, stop_reason=tracked.stop_reason)
-        return RequestOutput(request.request_id, tracked.prompt, list(request.prompt_token_ids), [completion],
-                             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
-                             delta_text=delta, prompt_logprobs=tracked.prompt_logprobs,
-                             num_draft_tokens=request.num_draft_tokens,
-                             num_accepted_draft_tokens=request.num_accepted_draft_tokens)
+        if request.is_finished:
+            del self._replica_of[request.request_id]
+        return self.output_processor.make_output(request)
 
     # ------------------------------------------------------------------ weights
     @property
@@ -509,7 +409,7 @@ class LLMEngine:
         for replica in self.replicas:
             replica.executor.check_weights(params)
         if abort_in_flight:
-            for request_id in list(self._tracked):
+            for request_id in self.output_processor.request_ids():
                 self.abort_request(request_id)
         for replica in self.replicas:
             replica.executor.update_weights(params)
@@ -525,7 +425,7 @@ class LLMEngine:
             "num_preemptions": sum(s.num_preemptions for s in schedulers),
             "pages_in_use": sum(s.allocator.num_used_pages for s in schedulers),
             "pages_total": sum(r.executor.num_pages for r in self.replicas),
-            "num_unfinished": sum(1 for t in self._tracked.values() if not t.request.is_finished),
+            "num_unfinished": self.num_unfinished_requests(),
             "max_pages_per_seq": math.ceil(self.max_model_len / self.executor.page_size),
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,

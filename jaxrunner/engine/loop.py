@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Callable
 
+from jaxrunner.engine.request import check_request_id_free
 from jaxrunner.outputs import RequestOutput
 
 logger = logging.getLogger("jaxrunner")
@@ -80,8 +81,7 @@ class EngineLoop:
         """Queue a validated request (``validate``'s result); its outputs go to ``sink``. Returns its id."""
         with self._cond:
             request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-            if request_id in self._sinks:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
+            check_request_id_free(request_id, self._sinks)
             self._sinks[request_id] = sink
             self._submissions.append(_Submission(request_id, request, sink))
             self._ensure_thread()
@@ -222,7 +222,7 @@ class EngineLoop:
                 return  # aborted before it was added
         try:
             self.engine.add_request(submission.request_id, submission.request)
-        except Exception as err:  # e.g. a request that can never fit the page pool
+        except Exception as err:  # refused by the engine: its caller hears why, the loop goes on
             self._fail(submission.request_id, err)
             return
         self._prompt_tokens += len(submission.request.prompt_token_ids)

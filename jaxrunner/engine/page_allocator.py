@@ -26,6 +26,13 @@ registered pages that prefix caching walks from a request's first page.
 
 ``num_free_pages`` counts cached pages too: both can be handed out. ``SCRATCH_PAGE`` is never in
 any of the three: padding tokens of a batch write there, so no request may ever own it.
+
+Who owns what: the allocator reads a ``Request`` (its tokens, ``num_computed_tokens``, ``page_ids``)
+and never writes into it. ``admit`` and ``allocate`` return the pages they handed out, or None
+when the pool is short (nothing taken); the scheduler records them in ``Request.page_ids`` and
+owns the request's progress. The chained hashes of each request's registered pages are the
+allocator's own bookkeeping, kept by request id from ``admit`` to ``free``: they say where the
+next registration continues, and nothing outside this module needs them.
 """
 from __future__ import annotations
 
@@ -65,8 +72,9 @@ class PageAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._page_by_key: dict[PageKey, int] = {}
         self._key_of_page: list[PageKey | None] = [None] * num_pages
-        # request_id -> chained hash of each of its registered (full, computed) pages, in order.
-        # Its length says how many of the request's pages are already registered.
+        # request_id -> chained hash of each of its registered (full, computed) pages, in order,
+        # for every request holding pages (from admit to free). Its length says how many of the
+        # request's pages are already registered.
         self._page_hashes: dict[str, list[int]] = {}
         # Requests whose KV was partly computed by weights no longer served: never registered.
         self._stale_requests: set[str] = set()
@@ -136,24 +144,19 @@ class PageAllocator:
         num_revived = sum(1 for p in cached_pages if self._ref_counts[p] == 0)
         return num_fresh + num_revived <= self.num_free_pages
 
-    def allocate_prefix(self, request: Request, cached_pages: list[int] | None = None) -> int:
-        """Give a page-less request its cached prefix; returns the number of cached tokens.
-
-        Sets ``page_ids``, ``num_cached_tokens`` and ``num_computed_tokens``. Pass the result of
-        ``find_cached_prefix`` as ``cached_pages`` to skip a second lookup.
-        """
-        if request.page_ids:
+    def admit(self, request: Request, cached_pages: list[int], num_tokens: int) -> list[int] | None:
+        """Pages for a request that holds none to hold ``num_tokens`` tokens: ``cached_pages`` (from
+        ``find_cached_prefix``; their ``len * page_size`` tokens need no computing) followed by fresh
+        ones. None, with nothing taken, when the pool cannot hold them (``can_admit``)."""
+        if request.request_id in self._page_hashes:
             raise ValueError(f"request {request.request_id!r} already holds pages")
-        if cached_pages is None:
-            cached_pages = self.find_cached_prefix(request)
+        if not self.can_admit(cached_pages, num_tokens):
+            return None
         for page in cached_pages:
             self._take_page(page)
-        num_cached_tokens = len(cached_pages) * self.page_size
-        request.page_ids = list(cached_pages)
-        request.num_cached_tokens = num_cached_tokens
-        request.num_computed_tokens = num_cached_tokens
         self._page_hashes[request.request_id] = [hash(self._key_of_page[p]) for p in cached_pages]
-        return num_cached_tokens
+        num_fresh = max(0, self.pages_for_tokens(num_tokens) - len(cached_pages))
+        return list(cached_pages) + [self._take_fresh_page() for _ in range(num_fresh)]
 
     # -- growth -------------------------------------------------------------------------------
 
@@ -162,18 +165,14 @@ class PageAllocator:
         num_tokens = request.num_computed_tokens + num_new_tokens
         return max(0, self.pages_for_tokens(num_tokens) - len(request.page_ids))
 
-    def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return self.pages_needed(request, num_new_tokens) <= self.num_free_pages
-
-    def append(self, request: Request, num_new_tokens: int) -> None:
-        """Grow ``page_ids`` to cover ``num_computed_tokens + num_new_tokens`` tokens."""
+    def allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Fresh pages for the request to compute ``num_new_tokens`` more tokens past
+        ``num_computed_tokens`` with the pages it holds: their ids to append to ``page_ids`` (empty
+        when it holds enough), or None, with nothing taken, when too few pages are free."""
         num_pages = self.pages_needed(request, num_new_tokens)
         if num_pages > self.num_free_pages:
-            raise RuntimeError(
-                f"out of KV pages: request {request.request_id!r} needs {num_pages}, "
-                f"{self.num_free_pages} free (check can_append first)")
-        for _ in range(num_pages):
-            request.page_ids.append(self._take_fresh_page())
+            return None
+        return [self._take_fresh_page() for _ in range(num_pages)]
 
     def commit_full_pages(self, request: Request) -> None:
         """Register the request's pages that are now full and computed, so others can reuse them.
@@ -184,7 +183,7 @@ class PageAllocator:
         """
         if not self.enable_prefix_caching or request.request_id in self._stale_requests:
             return
-        hashes = self._page_hashes.setdefault(request.request_id, [])
+        hashes = self._page_hashes[request.request_id]
         num_full_pages = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         if len(hashes) >= num_full_pages:
             return
@@ -199,23 +198,25 @@ class PageAllocator:
 
     # -- release ------------------------------------------------------------------------------
 
-    def release_tail(self, request: Request, num_tokens: int) -> None:
-        """Speculative rollback: keep only the pages that ``num_tokens`` tokens need. Pages that held
-        nothing but rejected proposals go back to the free list; they were never registered
-        (``commit_full_pages`` stops at ``num_computed_tokens``, which counts accepted tokens only)."""
+    def release_tail(self, request: Request, num_tokens: int) -> list[int]:
+        """Speculative rollback: release the request's pages past those ``num_tokens`` tokens need and
+        return the ones it keeps. The released pages held nothing but rejected proposals and were
+        never registered (``commit_full_pages`` stops at ``num_computed_tokens``, which counts
+        accepted tokens only)."""
         keep = self.pages_for_tokens(num_tokens)
-        while len(request.page_ids) > keep:
-            self._release_page(request.page_ids.pop())
+        for page in reversed(request.page_ids[keep:]):
+            self._release_page(page)
+        return request.page_ids[:keep]
 
     def free(self, request: Request) -> None:
-        """Drop the request's hold on all its pages and clear ``page_ids``.
+        """Drop the request's hold on every page in ``page_ids`` and forget its hashes; the caller
+        then clears its page list.
 
         Pages are released last-first: a cached request's tail is the least likely to be shared,
         so it should be evicted before its head.
         """
         for page in reversed(request.page_ids):
             self._release_page(page)
-        request.page_ids = []
         self._page_hashes.pop(request.request_id, None)
         self._stale_requests.discard(request.request_id)
 
@@ -319,6 +320,8 @@ class PageAllocator:
                 counts[page] += 1
         for page, (owned, counted) in enumerate(zip(counts, self._ref_counts)):
             _check(owned == counted, f"page {page}: refcount {counted} but {owned} owners")
+        _check(set(self._page_hashes) == {request.request_id for request in owners},
+               "the owners given and the requests admitted here disagree")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,12 +1,15 @@
 """The host-side state of one generation request.
 
-A ``Request`` is plain data shared by three owners, each touching its own fields:
+A ``Request`` is the one record of a request's progress; each piece has one writer:
 
-* the engine appends sampled tokens (``append_output``) and decides when it is done; with async
-  scheduling it first counts a token that a dispatched step will sample (``expect_output``), so
-  the next step can be planned before that token reaches the host;
-* the scheduler moves it between WAITING and RUNNING and advances ``num_computed_tokens``;
-* the page allocator fills ``page_ids`` and ``num_cached_tokens``.
+* the scheduler owns progress: the status (WAITING, RUNNING, FINISHED), ``num_computed_tokens``,
+  ``page_ids`` and ``num_cached_tokens`` (from what the page allocator hands it; the allocator
+  only reads a request), preemptions and the speculative back-off;
+* the engine sets the request up (``max_tokens``, ``seed``, ``bad_words_token_ids``) and, with
+  async scheduling, counts a token that a dispatched step will sample (``expect_output``), so the
+  next step can be planned before that token reaches the host;
+* the output processor (``engine.output_processor``) appends sampled tokens (``append_output``)
+  and decides when the request stops; its text, logprobs and stop reason live there, not here.
 
 Tokens only ever grow, so ``all_token_ids`` is a stable prefix over the request's life. That is
 what lets a preempted request drop its KV pages and later recompute prompt + outputs from scratch
@@ -18,6 +21,13 @@ import enum
 from dataclasses import dataclass, field
 
 from jaxrunner.sampling_params import SamplingParams
+
+
+def check_request_id_free(request_id: str, live_ids) -> None:
+    """The rule for ids: one names at most one live request (free again once it finished or was
+    aborted). ``live_ids``: the ids the caller holds requests under (a set or a dict)."""
+    if request_id in live_ids:
+        raise ValueError(f"request_id: {request_id!r} is already in use")
 
 
 class RequestStatus(enum.Enum):
@@ -44,8 +54,9 @@ class Request:
     # Tokens served by the prefix cache at the latest admission (not recomputed).
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # Output cap the scheduler sizes the request by: sampling_params.max_tokens unless the engine
-    # lowers it (e.g. to what is left of max_model_len after the prompt).
+    # The output cap, the one the scheduler sizes the request by and the output processor stops it
+    # at ("length"): sampling_params.max_tokens unless the engine lowers it (e.g. to what is left of
+    # max_model_len after the prompt).
     max_tokens: int | None = None
     seed: int | None = None  # the sampler's 64-bit seed for this request, chosen by the engine
     # SamplingParams.bad_words as token sequences (the engine tokenizes them, as vLLM does).
@@ -73,8 +84,11 @@ class Request:
     @property
     def needs_host_history(self) -> bool:
         """Whether sampling this request's next token reads its past tokens on the host: penalties,
-        and bad words of several tokens (their prefix is matched against the output). Such requests
-        take the synchronous path: async scheduling waits for the step in flight."""
+        and bad words of several tokens (their prefix is matched against the output).
+
+        The rule that follows, stated here only: while such a request is queued, steps run
+        synchronously (async scheduling waits for the step in flight, so no token of it is still
+        on the device when the next step is packed)."""
         return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property

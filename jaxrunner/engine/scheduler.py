@@ -14,8 +14,10 @@ to be recomputed later (often mostly from the prefix cache). The oldest request 
 yield, which is why scheduling always makes progress, and ``add`` refuses requests that could not
 fit even alone.
 
-The scheduler only counts tokens. The engine appends sampled tokens, checks stop conditions and
-calls ``finish``. Under async scheduling a request's last sampled token may still be on the device
+The scheduler counts tokens and owns each request's progress: its status, ``num_computed_tokens``
+and page list. The page allocator hands pages out (or says None when it has too few) and the
+scheduler records them on the request. The engine's output processor appends sampled tokens and
+checks stop conditions; the engine then calls ``finish``. Under async scheduling a request's last sampled token may still be on the device
 (``Request.num_pending_outputs``): it counts as a token to compute like any other, and a request
 whose pending token is its last (``max_tokens``) is not scheduled again.
 
@@ -32,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxrunner.engine.page_allocator import PageAllocator, cdiv
-from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.engine.request import Request, RequestStatus, check_request_id_free
 
 # Decodes a request skips proposals for after a lookup found nothing or every proposal was
 # rejected; doubled after each further failure in a row, up to the maximum.
@@ -194,7 +196,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.allocator.free(request)
+        self._free_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._unfinished[request.request_id]
@@ -258,7 +260,7 @@ class Scheduler:
             return  # finished on one of this step's tokens: its pages are already freed
         request.num_computed_tokens += num_accepted
         self.allocator.commit_full_pages(request)
-        self.allocator.release_tail(request, request.num_tokens)
+        request.page_ids = self.allocator.release_tail(request, request.num_tokens)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         # sorted() is stable: decodes first, each group in admission order.
@@ -268,21 +270,17 @@ class Scheduler:
             if request.num_expected_outputs >= request.max_tokens:
                 continue  # its last token is still on the device: it finishes by length on arrival
             num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
-            if num_new == 0 or not step.has_prefill_slot(num_new):
+            if num_new == 0 or not step.has_prefill_slot(num_new) or not self._make_room(request, num_new, step):
                 continue
-            if self._make_room(request, num_new, step):
-                self.allocator.append(request, num_new)
-                draft = self._propose(request, step) if num_new == 1 else []
-                if draft:
-                    self.allocator.append(request, 1 + len(draft))
-                step.add(request, num_new, draft)
+            draft = self._propose(request, step) if num_new == 1 else []
+            step.add(request, num_new, draft)
 
     def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
         """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
-        pages allow (none when any of them is short). A request whose lookup finds nothing backs
-        off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures), so that text with
-        nothing to copy runs like non-speculative decoding (async scheduling included) most of the
-        time."""
+        pages allow (none when any of them is short; their pages are taken here). A request whose
+        lookup finds nothing backs off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated
+        failures), so that text with nothing to copy runs like non-speculative decoding (async
+        scheduling included) most of the time."""
         if request.spec_backoff > 0:
             request.spec_backoff -= 1
             return []
@@ -294,8 +292,11 @@ class Scheduler:
         draft = self.proposer.propose(request.all_token_ids, limit)
         if not draft:
             _back_off(request)
-        elif not self.allocator.can_append(request, 1 + len(draft)):
             return []
+        pages = self.allocator.allocate(request, 1 + len(draft))
+        if pages is None:
+            return []
+        request.page_ids += pages
         return draft
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
@@ -306,12 +307,14 @@ class Scheduler:
             cached_pages = self.allocator.find_cached_prefix(request)
             num_cached = len(cached_pages) * page_size
             num_new = self._chunk_size(request.num_tokens - num_cached, step.token_budget)
-            if num_new == 0 or not step.has_prefill_slot(num_new) \
-                    or not self.allocator.can_admit(cached_pages, num_cached + num_new):
+            pages = None
+            if num_new > 0 and step.has_prefill_slot(num_new):
+                pages = self.allocator.admit(request, cached_pages, num_cached + num_new)
+            if pages is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.allocator.allocate_prefix(request, cached_pages)
-            self.allocator.append(request, num_new)
+            request.page_ids = pages
+            request.num_cached_tokens = request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new)
@@ -319,15 +322,17 @@ class Scheduler:
             self.prefix_cache_queried_tokens += request.num_tokens
 
     def _make_room(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
-        """Preempt the newest running requests until ``request`` can grow by ``num_new`` tokens.
+        """Give ``request`` pages for ``num_new`` more tokens, preempting the newest running requests
+        until the pool has them.
 
         False when ``request`` itself had to go (it was the newest one left).
         """
-        while not self.allocator.can_append(request, num_new):
+        while (pages := self.allocator.allocate(request, num_new)) is None:
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is request:
                 return False
+        request.page_ids += pages
         return True
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
@@ -335,12 +340,16 @@ class Scheduler:
         step.remove(request)
         step.preempted.append(request)
         self.running.remove(request)
-        self.allocator.free(request)
+        self._free_pages(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _free_pages(self, request: Request) -> None:
+        self.allocator.free(request)
+        request.page_ids = []
 
     def _chunk_size(self, num_remaining: int, token_budget: int) -> int:
         """How many of ``num_remaining`` tokens to compute now (0: wait for a later step).
@@ -365,36 +374,41 @@ class Scheduler:
     # -- admission checks ---------------------------------------------------------------------
 
     def _check_can_ever_run(self, request: Request) -> None:
-        """Reject requests that could not be scheduled even with the whole engine to themselves."""
-        rid = request.request_id
-        if rid in self._unfinished:
-            raise ValueError(f"request_id={rid!r} is already queued or running")
+        """Reject requests whose id is taken or that could not be scheduled even alone."""
+        check_request_id_free(request.request_id, self._unfinished)
         if request.is_finished:
-            raise ValueError(f"request {rid!r} is already finished")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
+            raise ValueError(f"request {request.request_id!r} is already finished")
+        try:
+            self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        except ValueError as err:
+            raise ValueError(f"request {request.request_id!r}: {err}") from None
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError when a request with this many prompt tokens and this output cap could never be
+        scheduled, even with the engine to itself. Reads only the configuration, so front ends call
+        it (through ``LLMEngine.validate_request``) from any thread before they queue anything."""
         max_model_len = self.config.max_model_len
-        if request.max_tokens < 1:
-            raise ValueError(
-                f"request {rid!r}: max_tokens={request.max_tokens} leaves nothing to generate "
-                f"(prompt {num_prompt} tokens, max_model_len={max_model_len})")
-        max_len = num_prompt + request.max_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
+                             f"max_model_len={max_model_len}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: {max_tokens} leaves nothing to generate "
+                             f"(prompt {num_prompt_tokens} tokens, max_model_len={max_model_len})")
+        max_len = num_prompt_tokens + max_tokens
         if max_len > max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
-                f"({request.max_tokens}) = {max_len} exceeds max_model_len={max_model_len}")
+            raise ValueError(f"max_tokens: {max_tokens} after a prompt of {num_prompt_tokens} tokens makes "
+                             f"{max_len}, beyond max_model_len={max_model_len}")
         # The last sampled token is never fed back, so at most max_len - 1 tokens need KV.
         pages = cdiv(max_len - 1, self.config.page_size)
         if pages > self.allocator.num_usable_pages:
-            raise ValueError(
-                f"request {rid!r}: needs up to {pages} KV pages, the cache has "
-                f"{self.allocator.num_usable_pages}")
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens and up to {max_tokens} outputs need {pages} "
+                             f"KV pages, the cache has {self.allocator.num_usable_pages}")
         budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and num_prompt > budget:
-            raise ValueError(
-                f"request {rid!r}: prompt ({num_prompt} tokens) exceeds "
-                f"max_num_batched_tokens={budget} and chunked prefill is off")
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > budget:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens exceed max_num_batched_tokens={budget} "
+                             "and chunked prefill is off")
 
     # -- introspection ------------------------------------------------------------------------
 
