@@ -5,7 +5,7 @@ from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "create_engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):  # LLM and LLMEngine pull in JAX and transformers: import them on first use
@@ -18,4 +18,7 @@ def __getattr__(name):  # LLM and LLMEngine pull in JAX and transformers: import
     if name == "LLMEngine":
         from jaxrunner.engine.engine import LLMEngine
         return LLMEngine
+    if name == "create_engine":  # an LLMEngine for an EngineConfig: loads, starts the executors
+        from jaxrunner.runner.builder import create_engine
+        return create_engine
     raise AttributeError(name)
