@@ -30,17 +30,17 @@ def test_dummy_batches_reproducible_and_seed_dependent():
 def test_dummy_batches_are_valid_and_never_touch_the_scratch_page():
     for seed in range(20):
         batch = _dummy(seed)
-        n = int(batch["num_seqs"])
-        cu, kv = batch["cu_q_lens"], batch["kv_lens"]
+        n = batch.num_seqs
+        cu, kv = batch.attention.cu_q_lens, batch.attention.kv_lens
         assert 1 <= n <= BUCKET.num_seqs and cu[n] <= BUCKET.num_tokens
         assert np.all(np.diff(cu) >= 0) and np.all(kv[:n] >= np.diff(cu)[:n])
         for s in range(n):
-            live_pages = batch["page_indices"][s, : -(-int(kv[s]) // 8)]
+            live_pages = batch.attention.page_indices[s, : -(-int(kv[s]) // 8)]
             assert np.all(live_pages > 0)  # page 0 is the scratch page
-        live_slots = batch["slot_mapping"][: cu[n]]
+        live_slots = batch.attention.slot_mapping[: cu[n]]
         assert np.all(live_slots >= 8)
-        assert np.any(batch["token_ids"][: cu[n]] != 0)
-        feed = batch["feed_rows"]
+        assert np.any(batch.token_ids[: cu[n]] != 0)
+        feed = batch.feed_rows
         assert np.all(feed[cu[n]:] == -1) and np.all(feed < BUCKET.num_seqs)
 
 
@@ -60,9 +60,9 @@ def test_pack_step_feeds_a_token_still_on_the_device():
         request.num_computed_tokens, request.page_ids = computed, pages
     chunks = [ScheduledChunk(known, 3, 1), ScheduledChunk(pending, 2, 1)]
     batch = pack_step(chunks, Bucket(16, 4, 2), 8, feed_rows={pending: 5})
-    assert batch["token_ids"][:2].tolist() == [8, 0] and batch["feed_rows"][:3].tolist() == [-1, 5, -1]
-    assert batch["sampling"]["positions"][:2].tolist() == [4, 3]
-    assert batch["sampling"]["banned"][1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
+    assert batch.token_ids[:2].tolist() == [8, 0] and batch.feed_rows[:3].tolist() == [-1, 5, -1]
+    assert batch.sampling.positions[:2].tolist() == [4, 3]
+    assert batch.sampling.banned[1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
     with pytest.raises(RuntimeError, match="on the device"):
         pack_step(chunks, Bucket(16, 4, 2), 8)
 
@@ -106,9 +106,9 @@ def test_warmup_contexts_are_bounded_but_one_decode_spans_the_table():
     reached_far = False
     for seed in range(30):
         batch = random_dummy_batch(jax.random.key(seed), bucket, 8, 600, 512, 512, max_context=16)
-        n = int(batch["num_seqs"])
-        q_lens = np.diff(batch["cu_q_lens"])[:n]
-        context = batch["kv_lens"][:n] - q_lens
+        n = batch.num_seqs
+        q_lens = np.diff(batch.attention.cu_q_lens)[:n]
+        context = batch.attention.kv_lens[:n] - q_lens
         over = np.flatnonzero(context > 16)
         assert len(over) <= 1 and all(q_lens[i] == 1 for i in over)
         reached_far |= bool(np.any(context > 256))
