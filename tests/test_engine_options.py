@@ -72,7 +72,7 @@ def test_max_model_len_over_the_model_limit_is_refused_before_loading(tiny_check
 
 @pytest.mark.parametrize("field", ["num_pages", "kv_cache_memory_bytes"])
 def test_kv_pool_larger_than_memory_is_refused_with_numbers_before_loading(tiny_checkpoints, no_loading, field):
-    from jaxrunner.runner.warmup import available_host_bytes
+    from jaxrunner.runner.memory import available_host_bytes
 
     page_bytes = 2 * 2 * 8 * 2 * 16 * 4  # K and V × 2 layers × page 8 × 2 KV heads × head_dim 16 × float32
     too_many = 4 * available_host_bytes() // page_bytes

@@ -23,7 +23,7 @@ from conftest import train_tiny_tokenizer
 from engine_helpers import COMPILE_CACHE, count_compilations, make_llm, token_ids
 from jaxrunner import SamplingParams
 from jaxrunner.models import registry
-from jaxrunner.models.attention import DenseAttention
+from jaxrunner.models.attention import AttentionMetadata, DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
 from jaxrunner.models.loader import load_model
 
@@ -141,13 +141,14 @@ def test_logits_match_transformers(checkpoints, family, dtype, tolerance):
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= tolerance
 
 
-def _paged_meta(start: int, stop: int, page_size: int = 8, pages_per_seq: int = 6) -> dict:
+def _paged_meta(start: int, stop: int, page_size: int = 8, pages_per_seq: int = 6) -> AttentionMetadata:
     """One sequence's tokens [start, stop) as one step over pages 1, 2, ... (page 0 is scratch)."""
     positions = np.arange(start, stop)
     pages = np.arange(1, pages_per_seq + 1, dtype=np.int32)
-    return {"slot_mapping": jnp.asarray(pages[positions // page_size] * page_size + positions % page_size, jnp.int32),
-            "kv_lens": jnp.asarray([stop], jnp.int32), "page_indices": jnp.asarray(pages[None]),
-            "cu_q_lens": jnp.asarray([0, stop - start], jnp.int32), "num_seqs": jnp.asarray([1], jnp.int32)}
+    return AttentionMetadata(
+        slot_mapping=jnp.asarray(pages[positions // page_size] * page_size + positions % page_size, jnp.int32),
+        kv_lens=jnp.asarray([stop], jnp.int32), page_indices=jnp.asarray(pages[None]),
+        cu_q_lens=jnp.asarray([0, stop - start], jnp.int32), num_seqs=jnp.asarray(1, jnp.int32))
 
 
 @pytest.mark.parametrize("impl", ["xla", "native", "pallas"])

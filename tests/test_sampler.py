@@ -1,14 +1,15 @@
 """The on-device sampler against numpy: filters, penalties, inverse-CDF draws, logprobs."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrunner.runner import sampler
-from jaxrunner.runner.batch import empty_batch
-from jaxrunner.runner.buckets import Bucket
+from jaxrunner.runner.step_batch import SamplingMetadata
 
 
 def numpy_keep_mask(logits, top_k, top_p, min_p):
@@ -62,9 +63,9 @@ def test_inverse_cdf_draws_follow_the_distribution():
 
 
 def _sampling(rows: int, **fields):
-    params = empty_batch(Bucket(rows, rows, 1), 16)["sampling"]
+    params = SamplingMetadata.empty(rows, 16)
     for name, value in fields.items():
-        params[name][:] = value
+        getattr(params, name)[:] = value
     return params
 
 
@@ -82,10 +83,10 @@ def test_penalties_match_vllm_semantics():
     history = np.full((1, 16), -1, np.int32)
     history[0, :3] = [0, 1, 1]  # prompt token 0, then outputs 1, 1
     params = _sampling(1, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    params["history"] = history
-    params["prompt_lens"][:] = 1
-    out = sampler._apply_penalties(jnp.asarray(logits), history, params["prompt_lens"], params["repetition_penalty"],
-                                   params["presence_penalty"], params["frequency_penalty"])
+    params = dataclasses.replace(params, history=history)
+    params.prompt_lens[:] = 1
+    out = sampler._apply_penalties(jnp.asarray(logits), history, params.prompt_lens, params.repetition_penalty,
+                                   params.presence_penalty, params.frequency_penalty)
     expected = [2.0 / 2, -1.0 * 2 - 0.25 * 2 - 0.5, 0.5, 1.0]
     np.testing.assert_allclose(np.asarray(out)[0], expected, rtol=1e-6)
 
@@ -94,7 +95,7 @@ def test_banned_tokens_never_sampled():
     logits = jnp.zeros((2, 50)).at[:, 7].set(10.0)
     banned = np.full((2, 16), -1, np.int32)
     banned[:, 0] = 7
-    out = jax.jit(sampler.sample)(logits, {**_sampling(2, temperature=1.0, seeds=3), "banned": banned})
+    out = jax.jit(sampler.sample)(logits, dataclasses.replace(_sampling(2, temperature=1.0, seeds=3), banned=banned))
     assert 7 not in np.asarray(out["tokens"]).tolist()
 
 
@@ -134,13 +135,13 @@ def _token_options(rows: int, vocab: int, rng):
     for r in range(rows):
         if r % 2:  # odd rows restricted, even rows free
             ids = rng.choice(vocab, 6, replace=False)
-            params["allowed_token_ids"][r, :6] = ids
+            params.allowed_token_ids[r, :6] = ids
         if r % 3:
             ids = rng.choice(vocab, 4, replace=False)
-            params["logit_bias_ids"][r, :4] = ids
-            params["logit_bias_values"][r, :4] = rng.uniform(-5, 5, 4)
+            params.logit_bias_ids[r, :4] = ids
+            params.logit_bias_values[r, :4] = rng.uniform(-5, 5, 4)
         if r % 4 == 1:
-            params["banned"][r, :2] = params["allowed_token_ids"][r, :2]  # some allowed ids banned too
+            params.banned[r, :2] = params.allowed_token_ids[r, :2]  # some allowed ids banned too
     return params
 
 
@@ -150,8 +151,8 @@ def test_allowed_bias_and_bans_match_numpy():
     logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 2
     params = _token_options(rows, vocab, rng)
     got = np.asarray(jax.jit(sampler._process_logits)(logits, params))
-    expected = numpy_process(logits, params["allowed_token_ids"], params["logit_bias_ids"],
-                             params["logit_bias_values"], params["banned"])
+    expected = numpy_process(logits, params.allowed_token_ids, params.logit_bias_ids,
+                             params.logit_bias_values, params.banned)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
     finite = np.isfinite(expected)
     np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6, atol=1e-5)
@@ -163,11 +164,11 @@ def test_samples_follow_the_processed_logits(temperature):
     rows, vocab = 8, 300
     logits = rng.standard_normal((rows, vocab)).astype(np.float32)
     params = _token_options(rows, vocab, rng)
-    params["temperature"][:] = temperature
-    params["seeds"][:] = np.arange(rows)
+    params.temperature[:] = temperature
+    params.seeds[:] = np.arange(rows)
     tokens = np.asarray(jax.jit(sampler.sample)(logits, params)["tokens"])
-    processed = numpy_process(logits, params["allowed_token_ids"], params["logit_bias_ids"],
-                              params["logit_bias_values"], params["banned"])
+    processed = numpy_process(logits, params.allowed_token_ids, params.logit_bias_ids,
+                              params.logit_bias_values, params.banned)
     assert np.all(np.isfinite(processed[np.arange(rows), tokens]))  # never an excluded token
     if temperature == 0:
         np.testing.assert_array_equal(tokens, processed.argmax(axis=-1))
@@ -176,12 +177,12 @@ def test_samples_follow_the_processed_logits(temperature):
 def test_logit_bias_moves_the_draw():
     logits = np.zeros((1, 50), np.float32)
     params = _sampling(1, temperature=1.0)
-    params["logit_bias_ids"][0, :2] = [11, 12]
-    params["logit_bias_values"][0, :2] = [np.log(1000.0), -100.0]
+    params.logit_bias_ids[0, :2] = [11, 12]
+    params.logit_bias_values[0, :2] = [np.log(1000.0), -100.0]
     draws = []
     step = jax.jit(sampler.sample)
     for seed in range(200):
-        params["seeds"][:] = seed
+        params.seeds[:] = seed
         draws.append(int(step(logits, params)["tokens"][0]))
     share = draws.count(11) / len(draws)
     assert abs(share - 1000 / 1049) < 0.05 and 12 not in draws
@@ -193,7 +194,7 @@ def test_ranks_and_logprobs_zero():
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((5, 200)).astype(np.float32)
     params = _sampling(5, temperature=1.0, num_logprobs=0)
-    params["seeds"][:] = np.arange(5)
+    params.seeds[:] = np.arange(5)
     out = jax.jit(sampler.sample)(logits, params)
     tokens = np.asarray(out["tokens"])
     expected = 1 + (logits > logits[np.arange(5), tokens][:, None]).sum(axis=-1)
@@ -205,9 +206,9 @@ def test_ranks_and_logprobs_zero():
 def test_the_high_half_of_the_seed_changes_the_draw():
     logits = np.zeros((64, 1000), np.float32)
     params = _sampling(64, temperature=1.0, seeds=7)
-    params["positions"][:] = np.arange(64)
+    params.positions[:] = np.arange(64)
     low_only = np.asarray(jax.jit(sampler.sample)(logits, params)["tokens"])
-    params["seeds_high"][:] = 1  # seed 7 + 2**32
+    params.seeds_high[:] = 1  # seed 7 + 2**32
     high = np.asarray(jax.jit(sampler.sample)(logits, params)["tokens"])
     assert np.mean(low_only == high) < 0.2
 

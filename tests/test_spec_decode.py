@@ -2,6 +2,8 @@
 target distribution under rejection sampling, rollback of rejected KV, no compiles while serving."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ from jaxrunner.config import EngineConfig
 from jaxrunner.engine import page_allocator
 from jaxrunner.engine.spec_decode import NgramProposer
 from jaxrunner.runner import sampler
-from jaxrunner.runner.batch import empty_batch
-from jaxrunner.runner.buckets import Bucket, BucketPlan
+from jaxrunner.runner.step_batch import SamplingMetadata
+from jaxrunner.runner.buckets import BucketPlan
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -63,13 +65,13 @@ def test_every_bucket_has_room_for_the_proposals_a_step_can_carry():
 # ----------------------------------------------------------------------------- rejection sampling
 def _verify(logits: np.ndarray, draft: int, temperature: float, draws: int, **filters) -> np.ndarray:
     """Tokens of ``draws`` rows (seeds 0..draws-1) that each verify ``draft`` under ``logits``."""
-    params = empty_batch(Bucket(draws, draws, 1), 16)["sampling"]
-    params["temperature"][:] = temperature
-    params["seeds"][:] = np.arange(draws)
-    params["positions"][:] = 7
+    params = SamplingMetadata.empty(draws, 16)
+    params.temperature[:] = temperature
+    params.seeds[:] = np.arange(draws)
+    params.positions[:] = 7
     for name, value in filters.items():
-        params[name][:] = value
-    params["draft_tokens"] = np.full(draws, draft, np.int32)
+        getattr(params, name)[:] = value
+    params = dataclasses.replace(params, draft_tokens=np.full(draws, draft, np.int32))
     out = jax.jit(sampler.sample)(np.tile(logits, (draws, 1)), params)
     return np.asarray(out["tokens"])
 

@@ -1,4 +1,4 @@
-"""Warm-up on randomized dummy batches, KV-pool sizing and the start-up report."""
+"""Warm-up on randomized dummy batches, the bucket plan and the start-up report."""
 from __future__ import annotations
 
 import jax
@@ -7,8 +7,8 @@ import pytest
 
 from engine_helpers import make_llm
 from jaxrunner.runner.buckets import Bucket, BucketPlan
-from jaxrunner.runner.warmup import (MemoryBudget, StartupError, random_dummy_batch, size_kv_pool,
-                                     zeros_dummy_batch)
+from jaxrunner.runner.memory import StartupError
+from jaxrunner.runner.warmup import random_dummy_batch, zeros_dummy_batch
 
 BUCKET = Bucket(64, 8, 16)
 
@@ -30,17 +30,17 @@ def test_dummy_batches_reproducible_and_seed_dependent():
 def test_dummy_batches_are_valid_and_never_touch_the_scratch_page():
     for seed in range(20):
         batch = _dummy(seed)
-        n = int(batch["num_seqs"])
-        cu, kv = batch["cu_q_lens"], batch["kv_lens"]
+        n = batch.num_seqs
+        cu, kv = batch.attention.cu_q_lens, batch.attention.kv_lens
         assert 1 <= n <= BUCKET.num_seqs and cu[n] <= BUCKET.num_tokens
         assert np.all(np.diff(cu) >= 0) and np.all(kv[:n] >= np.diff(cu)[:n])
         for s in range(n):
-            live_pages = batch["page_indices"][s, : -(-int(kv[s]) // 8)]
+            live_pages = batch.attention.page_indices[s, : -(-int(kv[s]) // 8)]
             assert np.all(live_pages > 0)  # page 0 is the scratch page
-        live_slots = batch["slot_mapping"][: cu[n]]
+        live_slots = batch.attention.slot_mapping[: cu[n]]
         assert np.all(live_slots >= 8)
-        assert np.any(batch["token_ids"][: cu[n]] != 0)
-        feed = batch["feed_rows"]
+        assert np.any(batch.token_ids[: cu[n]] != 0)
+        feed = batch.feed_rows
         assert np.all(feed[cu[n]:] == -1) and np.all(feed < BUCKET.num_seqs)
 
 
@@ -60,9 +60,9 @@ def test_pack_step_feeds_a_token_still_on_the_device():
         request.num_computed_tokens, request.page_ids = computed, pages
     chunks = [ScheduledChunk(known, 3, 1), ScheduledChunk(pending, 2, 1)]
     batch = pack_step(chunks, Bucket(16, 4, 2), 8, feed_rows={pending: 5})
-    assert batch["token_ids"][:2].tolist() == [8, 0] and batch["feed_rows"][:3].tolist() == [-1, 5, -1]
-    assert batch["sampling"]["positions"][:2].tolist() == [4, 3]
-    assert batch["sampling"]["banned"][1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
+    assert batch.token_ids[:2].tolist() == [8, 0] and batch.feed_rows[:3].tolist() == [-1, 5, -1]
+    assert batch.sampling.positions[:2].tolist() == [4, 3]
+    assert batch.sampling.banned[1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
     with pytest.raises(RuntimeError, match="on the device"):
         pack_step(chunks, Bucket(16, 4, 2), 8)
 
@@ -91,14 +91,6 @@ def test_weights_over_budget_fail_with_the_shortfall(tiny_checkpoints):
         make_llm(tiny_checkpoints["llama"], memory_utilization=1e-9)
 
 
-def test_kv_pool_sizing_from_device_memory():
-    budget = MemoryBudget(device_bytes=1000 << 20, budget_bytes=900 << 20, source="test")
-    pages, how = size_kv_pool(budget=budget, weights_bytes=300 << 20, activation_bytes=100 << 20,
-                              bytes_per_page=1 << 20, max_useful_pages=10_000, kv_cache_memory_bytes=None)
-    assert pages == 900 - 300 - 100 - 50  # minus the 5% safety margin
-    assert "activations" in how
-
-
 def test_bucket_plan_is_small_and_covers_every_step():
     plan = BucketPlan.from_limits(512, 64, 2048, 16)
     assert len(plan.buckets()) <= 100
@@ -114,27 +106,10 @@ def test_warmup_contexts_are_bounded_but_one_decode_spans_the_table():
     reached_far = False
     for seed in range(30):
         batch = random_dummy_batch(jax.random.key(seed), bucket, 8, 600, 512, 512, max_context=16)
-        n = int(batch["num_seqs"])
-        q_lens = np.diff(batch["cu_q_lens"])[:n]
-        context = batch["kv_lens"][:n] - q_lens
+        n = batch.num_seqs
+        q_lens = np.diff(batch.attention.cu_q_lens)[:n]
+        context = batch.attention.kv_lens[:n] - q_lens
         over = np.flatnonzero(context > 16)
         assert len(over) <= 1 and all(q_lens[i] == 1 for i in over)
         reached_far |= bool(np.any(context > 256))
     assert reached_far
-
-
-def test_cpu_pool_size_stays_when_available_ram_moves():
-    """The pool's shape is in every executable: RAM that other processes take or free between two
-    starts must not change it, or the second start misses the persistent compilation cache."""
-    sizes = set()
-    for available in (16 << 30, 17 << 30, 19 << 30, 21 << 30):
-        budget = MemoryBudget(device_bytes=None, budget_bytes=int(0.9 * available), source="test",
-                              host_total_bytes=int(0.9 * (23 << 30)))
-        pages, how = size_kv_pool(budget=budget, weights_bytes=540 << 20, activation_bytes=0,
-                                  bytes_per_page=737_280, max_useful_pages=8193, kv_cache_memory_bytes=None)
-        sizes.add(pages)
-    assert sizes == {5120} and "host's RAM" in how
-    tight = MemoryBudget(device_bytes=None, budget_bytes=2 << 30, source="test", host_total_bytes=20 << 30)
-    pages, _ = size_kv_pool(budget=tight, weights_bytes=540 << 20, activation_bytes=0, bytes_per_page=737_280,
-                            max_useful_pages=8193, kv_cache_memory_bytes=None)
-    assert pages * 737_280 <= ((2 << 30) - (540 << 20)) // 2  # never more than half of what is available

@@ -2,8 +2,11 @@
 meta, *, sm_scale, sliding_window=None, soft_cap=None) -> (out, layer_cache)``; a family passes its
 per-layer window and attention-logit cap (``cap * tanh(s / cap)``) through them to the kernels.
 
-``DenseAttention`` is the cache-free reference (tests, parity); ``PagedAttention`` writes the new
-keys/values into the paged KV cache and attends through ``jaxrunner.kernels``.
+``DenseAttention`` is the cache-free reference (tests, parity; ``meta`` is the tokens' segment
+ids); ``PagedAttention`` writes the new keys/values into the paged KV cache and attends through
+``jaxrunner.kernels`` (``meta`` is the step's ``AttentionMetadata``). ``AttentionMetadata`` is
+defined here, beside the attention that reads it, so that models never import the runner; the
+runner's ``StepBatch`` holds one (``runner.step_batch``).
 """
 from __future__ import annotations
 
@@ -46,22 +49,42 @@ class DenseAttention:
         return out, layer_cache
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("slot_mapping", "page_indices", "cu_q_lens", "kv_lens", "num_seqs"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """What the KV write and ragged paged attention read: the arguments of
+    ``kernels.write_kv_and_attend`` that describe the step. Every field is traced data, so one
+    executable serves every step of a bucket; padding is inert (see ``runner.step_batch``)."""
+
+    # T token rows, S sequence slots, a page table W pages wide
+    slot_mapping: jax.Array  # [T] int32: pool slot (page * page_size + offset) a token's K/V goes to; scratch: padding
+    page_indices: jax.Array  # [S, W] int32: each sequence's pages in position order, SCRATCH_PAGE past its last
+    cu_q_lens: jax.Array     # [S + 1] int32: sequence s owns rows cu_q_lens[s]:cu_q_lens[s + 1]; flat past the last
+    kv_lens: jax.Array       # [S] int32: the sequence's cached tokens once the step is done (context + query); 0: none
+    num_seqs: jax.Array      # [] int32: live sequences; token rows from cu_q_lens[num_seqs] on are padding
+
+    def token_mask(self, num_rows: int) -> jax.Array:
+        """[num_rows] true for the rows that are tokens of the step's sequences (not padding)."""
+        return jnp.arange(num_rows) < self.cu_q_lens[self.num_seqs]
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
     """Write K/V into the page pool, then ragged paged attention over it.
 
-    ``layer_cache`` is ``(k_pages, v_pages)``; ``meta`` holds ``slot_mapping``, ``kv_lens``,
-    ``page_indices``, ``cu_q_lens`` and ``num_seqs`` of the step's batch. With a ``mesh``, heads and
-    the pool are split over its ``"model"`` axis and the kernels run per shard (``shard_map``) on
-    their local heads: attention needs no communication, since each shard owns whole KV-head groups.
+    ``layer_cache`` is ``(k_pages, v_pages)``; ``meta`` is the step's ``AttentionMetadata``. With a
+    ``mesh``, heads and the pool are split over its ``"model"`` axis and the kernels run per shard
+    (``shard_map``) on their local heads: attention needs no communication, since each shard owns
+    whole KV-head groups.
     """
 
     impl: str = "auto"
     mesh: object = None
     max_prefill_seqs: int | None = None  # the scheduler's per-step bound (see kernels.dispatch)
 
-    def __call__(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window=None, soft_cap=None):
-        meta = {name: meta[name] for name in META_KEYS}
+    def __call__(self, q, k, v, layer_cache, meta: AttentionMetadata, *, sm_scale, sliding_window=None,
+                 soft_cap=None):
         local = functools.partial(self._local, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.mesh is None:
             return local(q, k, v, layer_cache, meta)
@@ -70,14 +93,11 @@ class PagedAttention:
                                 out_specs=(heads, (pool, pool)), check_vma=False)
         return sharded(q, k, v, layer_cache, meta)
 
-    def _local(self, q, k, v, layer_cache, meta, *, sm_scale, sliding_window, soft_cap):
+    def _local(self, q, k, v, layer_cache, meta: AttentionMetadata, *, sm_scale, sliding_window, soft_cap):
         q = q.astype(layer_cache[0].dtype)  # the model hands float32 q; kernels take the cache's dtype
         # one fused call, so the pools handed back are the ones the kernel's loops carried (no copy)
         out, k_pages, v_pages = kernels.write_kv_and_attend(
-            q, k, v, layer_cache[0], layer_cache[1], meta["slot_mapping"], meta["kv_lens"], meta["page_indices"],
-            meta["cu_q_lens"], meta["num_seqs"], sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            q, k, v, layer_cache[0], layer_cache[1], meta.slot_mapping, meta.kv_lens, meta.page_indices,
+            meta.cu_q_lens, meta.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             impl=self.impl, max_prefill_seqs=self.max_prefill_seqs)
         return out, (k_pages, v_pages)
-
-
-META_KEYS = ("slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")

@@ -77,8 +77,9 @@ class NnxArchitecture:
         return nnx.merge(self.graphdef, params)
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None):
-        """As ``models.llama.forward``: with ``all_rows`` (a traced bool, with ``rows``) a third
-        result holds every row's final hidden state when it holds (zeros when not)."""
+        """As ``models.llama.forward``: ``meta`` (the step's ``AttentionMetadata``) reaches the
+        paged attention through each layer's ``attend``; with ``all_rows`` (a traced bool, with
+        ``rows``) a third result holds every row's final hidden state when it holds (zeros when not)."""
         module = self._module(params)
         x = module.embed(token_ids)
         new_cache = []

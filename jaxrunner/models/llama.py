@@ -145,7 +145,9 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     """Run the decoder on packed tokens [T]; returns final hidden states and the new cache.
 
     ``kv_cache`` is a list with one entry per layer (whatever the attention callable keeps there;
-    ``None`` entries for cache-free attention). ``rows`` [N]: return only these rows' hidden states
+    ``None`` entries for cache-free attention); ``meta`` is what the callable reads of the step
+    (``models.attention.AttentionMetadata`` for the paged cache, segment ids for the dense
+    reference), passed through untouched. ``rows`` [N]: return only these rows' hidden states
     ([N, D]; default all [T, D]). The last layer then runs its output projection and MLP on those
     rows alone — a prefill chunk samples one row of hundreds, and that is ~3 % of its matmuls.
 

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxrunner.models import blocks, moe
-from jaxrunner.models.attention import DenseAttention
+from jaxrunner.models.attention import AttentionMetadata, DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
 from jaxrunner.models.llama import compute_logits, rms_norm, rope_tables
 from jaxrunner.models.params import decoder_shapes, take
@@ -59,10 +59,9 @@ def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: MoEConfig, atte
 
 
 def token_mask(meta, num_rows: int):
-    """[T] true for the rows that are tokens of the step's sequences (None: every row is)."""
-    if not isinstance(meta, dict) or "cu_q_lens" not in meta:
-        return None
-    return jnp.arange(num_rows) < meta["cu_q_lens"][meta["num_seqs"]]
+    """[T] true for the rows that are tokens of the step's sequences; None (every row is) for the
+    dense reference, whose ``meta`` is the tokens' segment ids."""
+    return meta.token_mask(num_rows) if isinstance(meta, AttentionMetadata) else None
 
 
 def forward(params, cfg: MoEConfig, token_ids, positions, kv_cache, meta, attention, rows=None, loads=None):
@@ -105,15 +104,25 @@ class MoEArchitecture:
         (the start-up report's probe)."""
         loads = []
         cache = [None] * self.cfg.num_layers
-        meta = {"cu_q_lens": jnp.stack([jnp.int32(0), jnp.int32(num_tokens)]), "num_seqs": 1}
+        meta = _live_rows_metadata(token_ids.shape[0], num_tokens)
         attention = _SegmentAttention(segment_ids)
         forward(params, self.cfg, token_ids, positions, cache, meta, attention, None, loads)
         return jnp.stack(loads)
 
 
+def _live_rows_metadata(num_rows: int, num_tokens) -> AttentionMetadata:
+    """The probe's metadata: one sequence of the first ``num_tokens`` rows (the rest padding), no
+    pages (its attention keeps no cache; only ``token_mask`` reads this)."""
+    zero = jnp.zeros((), jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    return AttentionMetadata(slot_mapping=jnp.zeros(num_rows, jnp.int32), page_indices=jnp.zeros((1, 1), jnp.int32),
+                             cu_q_lens=jnp.stack([zero, num_tokens]), kv_lens=num_tokens[None],
+                             num_seqs=jnp.ones((), jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class _SegmentAttention:
-    """DenseAttention within fixed segments, whatever ``meta`` says (the probe's meta only marks live rows)."""
+    """DenseAttention within fixed segments, whatever ``meta`` says (the probe's only marks live rows)."""
 
     segment_ids: jax.Array
 

@@ -30,7 +30,8 @@ class ModelFamily:
     - ``config_from_hf(hf_dict, source) -> ModelConfig`` (the family's subclass, with its own
       fields); raises :class:`UnsupportedModelError` on options it does not implement.
     - ``architecture(cfg)``: an object with ``forward(params, token_ids, positions, kv_cache, meta,
-      attention, rows=None)`` and ``compute_logits(params, hidden)``, pure over the paged cache.
+      attention, rows=None)`` and ``compute_logits(params, hidden)``, pure over the paged cache;
+      ``meta`` (the step's ``models.attention.AttentionMetadata``) goes to ``attention`` untouched.
     - ``build_params(state, cfg, place, source, progress)``: HF-named state dict → params pytree,
       each piece handed to ``place`` as soon as it is built (see ``models.params.build_params``).
     - ``param_shapes(cfg)``: the shape of every leaf ``build_params`` makes.

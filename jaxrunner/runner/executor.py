@@ -13,10 +13,11 @@ import jax
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.executor import SamplingLimits
 from jaxrunner.runner import weights
-from jaxrunner.runner.batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, pack_step
+from jaxrunner.runner.batch import pack_step
 from jaxrunner.runner.buckets import MAX_SPEC_SEQS
 from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.runner.startup import start_runner
+from jaxrunner.runner.step_batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 
 LIMITS = SamplingLimits(max_logprobs=MAX_LOGPROBS, max_logit_bias=MAX_LOGIT_BIAS,
                         max_allowed_token_ids=MAX_ALLOWED_TOKEN_IDS, max_banned_tokens=MAX_BANNED_TOKENS)

@@ -1,11 +1,12 @@
 """The functional model step and the object that holds its device state between steps.
 
-``model_step(params, kv_cache, batch, feed) -> (sampled, feed, kv_cache)`` is pure and jitted once
-per bucket shape with the cache donated, so XLA updates the page pool in place. ``feed`` carries
-the sampled token ids from one step to the next on the device (async scheduling: the host plans
-step N+1 while step N runs, so step N's tokens are not known when N+1 is packed). ``ModelRunner``
-only keeps the current params/cache/feed references and turns numpy batches into one device call
-and one device→host copy per step.
+``model_step(params, kv_cache, batch, feed) -> (sampled, feed, kv_cache)`` (``batch`` a
+``step_batch.StepBatch``) is pure and jitted once per bucket shape with the cache donated, so XLA
+updates the page pool in place. ``feed`` carries the sampled token ids from one step to the next
+on the device (async scheduling: the host plans step N+1 while step N runs, so step N's tokens
+are not known when N+1 is packed). ``ModelRunner`` only keeps the current params/cache/feed
+references and turns step batches of numpy arrays into one device call and one device→host copy
+per step.
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from jaxrunner.models.attention import PagedAttention
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner import cache_events, sampler
+from jaxrunner.runner.step_batch import StepBatch
 
 
-def model_step(params, kv_cache, batch, feed, *, architecture, attention):
+def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attention):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
     ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (a family
@@ -44,35 +46,36 @@ def model_step(params, kv_cache, batch, feed, *, architecture, attention):
     Speculative decoding: a batch with ``draft_rows`` also samples those rows (after the
     sequences' own rows), each verifying one proposed token (``sampler.with_draft_rows``).
     """
-    fed = jnp.take(feed, jnp.maximum(batch["feed_rows"], 0), axis=0)
-    token_ids = jnp.where(batch["feed_rows"] >= 0, fed, batch["token_ids"])
-    targets = batch["prompt_targets"]
+    fed = jnp.take(feed, jnp.maximum(batch.feed_rows, 0), axis=0)
+    token_ids = jnp.where(batch.feed_rows >= 0, fed, batch.token_ids)
+    targets = batch.prompt_targets
     wants_prompt_logprobs = jnp.any(targets >= 0)
-    rows, sampling = batch["logits_indices"], batch["sampling"]
-    if "draft_rows" in batch:
-        rows = jnp.concatenate([rows, batch["draft_rows"]["logits_indices"]])
-        sampling = sampler.with_draft_rows(sampling, batch["draft_rows"])
-    hidden, kv_cache, every_row = _forward(architecture, params, token_ids, batch["positions"], kv_cache, batch,
-                                           attention, rows, wants_prompt_logprobs)
+    rows, sampling = batch.logits_indices, batch.sampling
+    if batch.draft_rows is not None:
+        rows = jnp.concatenate([rows, batch.draft_rows.logits_indices])
+        sampling = sampler.with_draft_rows(sampling, batch.draft_rows)
+    hidden, kv_cache, every_row = _forward(architecture, params, token_ids, batch.positions, kv_cache,
+                                           batch.attention, attention, rows, wants_prompt_logprobs)
     logits = architecture.compute_logits(params, hidden)
     sampled = sampler.sample(logits, sampling)
     logits_of = functools.partial(architecture.compute_logits, params)
     sampled.update(jax.lax.cond(wants_prompt_logprobs,
                                 lambda h: sampler.prompt_logprobs(logits_of, h, targets),
                                 lambda h: sampler.empty_prompt_logprobs(h.shape[0]), every_row))
-    seq_tokens = sampled["tokens"][:batch["logits_indices"].shape[0]]
+    seq_tokens = sampled["tokens"][:batch.logits_indices.shape[0]]
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), seq_tokens.astype(feed.dtype), (0,))
     return sampled, next_feed, kv_cache
 
 
-def _forward(architecture, params, token_ids, positions, kv_cache, batch, attention, rows, all_rows):
-    """(final hidden of ``rows``, new cache, final hidden of every row). An architecture whose
+def _forward(architecture, params, token_ids, positions, kv_cache, meta, attention, rows, all_rows):
+    """(final hidden of ``rows``, new cache, final hidden of every row); ``meta`` is the step's
+    ``AttentionMetadata``, which the architecture hands to ``attention``. An architecture whose
     ``forward`` takes ``all_rows`` runs its last layer on every row only in steps that need it
     (prompt logprobs); any other runs it on every row and the sampled rows are taken after."""
     if "all_rows" in inspect.signature(architecture.forward).parameters:
-        return architecture.forward(params, token_ids, positions, kv_cache, batch, attention, rows=rows,
+        return architecture.forward(params, token_ids, positions, kv_cache, meta, attention, rows=rows,
                                     all_rows=all_rows)
-    every_row, kv_cache = architecture.forward(params, token_ids, positions, kv_cache, batch, attention)
+    every_row, kv_cache = architecture.forward(params, token_ids, positions, kv_cache, meta, attention)
     return jnp.take(every_row, rows, axis=0), kv_cache, every_row
 
 

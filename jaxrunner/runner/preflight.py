@@ -20,7 +20,7 @@ from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loader import peek_model
 from jaxrunner.parallel import distributed, mesh as meshes
-from jaxrunner.runner import warmup
+from jaxrunner.runner import memory
 from jaxrunner.runner.model_runner import KVCacheSpec
 from jaxrunner.runner.precision import choose_dtype
 
@@ -41,8 +41,8 @@ def check_before_loading(config: EngineConfig) -> None:
     impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
     kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, device.platform, impl)
     tp = config.tensor_parallel_size
-    budget = warmup.memory_budget(device, config.memory_utilization)
-    warmup.check_pool_fits(budget, estimated_weights_bytes(cfg, dtype, config.quantization) // tp,
+    budget = memory.memory_budget(device, config.memory_utilization)
+    memory.check_pool_fits(budget, estimated_weights_bytes(cfg, dtype, config.quantization) // tp,
                            kv_bytes_per_page(cfg, config.page_size, kv_dtype) // tp,
                            config.num_pages, config.kv_cache_memory_bytes)
 

@@ -9,24 +9,32 @@ them, and warm-up must feed random sampling parameters so that every branch is c
 Order, as vLLM applies them: ``allowed_token_ids`` mask, ``logit_bias``, banned tokens (EOS and
 stop ids under ``min_tokens``, the last token of a bad word), penalties, then temperature and the
 filters. Token-id options travel as fixed-width per-row arrays padded with ``NO_TOKEN`` (widths in
-``runner.batch``), so one executable serves every mix of them.
+``runner.step_batch``), so one executable serves every mix of them. The settings arrive as the
+step batch's ``SamplingMetadata`` (``runner.step_batch``), one row per sampled sequence.
 
 Randomness: a row's key is ``fold_in(fold_in(key(seed_low), seed_high), position)`` — the request's
 64-bit seed and the position of the token being sampled — so a seeded request samples the same
 tokens whatever else is batched.
 Each row needs one uniform number (inverse-CDF sampling), not one per vocabulary entry.
 
-Speculative verification: a row with a ``draft_tokens`` entry checks a proposed token d. Greedy
-rows need nothing new (the host accepts d while it equals the argmax). A sampled row accepts d with
-probability p(d) under its processed, tempered and filtered distribution p, else draws from the
-residual max(p - q, 0) of a point-mass proposal q, i.e. p without d, renormalized: the token it
-returns is then distributed exactly as p (standard rejection sampling), and equals d exactly when
-d was accepted. The acceptance test uses a second uniform of the row's key (``ACCEPT_STREAM``).
+Speculative verification: a row with a ``draft_tokens`` entry (``with_draft_rows``) checks a
+proposed token d. Greedy rows need nothing new (the host accepts d while it equals the argmax). A
+sampled row accepts d with probability p(d) under its processed, tempered and filtered
+distribution p, else draws from the residual max(p - q, 0) of a point-mass proposal q, i.e. p
+without d, renormalized: the token it returns is then distributed exactly as p (standard
+rejection sampling), and equals d exactly when d was accepted. The acceptance test uses a second
+uniform of the row's key (``ACCEPT_STREAM``).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:  # step_batch imports this module's constants
+    from jaxrunner.runner.step_batch import DraftRows, SamplingMetadata
 
 MAX_LOGPROBS = 20  # like vLLM's default max_logprobs: top-k logprobs returned per token, k <= this
 NO_TOKEN = -1      # padding in token-id arrays (history, banned tokens)
@@ -181,20 +189,20 @@ def _add_logit_bias(logits, ids, values):
     return logits.at[_row_index(ids), jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
 
 
-def _draw(logits, params, is_sampled):
+def _draw(logits, sampling: SamplingMetadata, is_sampled):
     """Temperature, top-k / top-p / min-p, then one inverse-CDF draw per row."""
     # greedy rows take no part in filtering (their settings must not force the slow path)
-    top_k = jnp.where(is_sampled, params["top_k"], 0)
-    top_p = jnp.where(is_sampled, params["top_p"], 1.0)
-    min_p = jnp.where(is_sampled, params["min_p"], 0.0)
-    scaled = logits / jnp.where(is_sampled, params["temperature"], 1.0)[:, None]
+    top_k = jnp.where(is_sampled, sampling.top_k, 0)
+    top_p = jnp.where(is_sampled, sampling.top_p, 1.0)
+    min_p = jnp.where(is_sampled, sampling.min_p, 0.0)
+    scaled = logits / jnp.where(is_sampled, sampling.temperature, 1.0)[:, None]
     scaled = _maybe(jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)),
                     lambda x: _filter_top_k_top_p_min_p(x, top_k, top_p, min_p), scaled)
-    uniforms = _row_uniforms(params["seeds"], params["seeds_high"], params["positions"])
-    if "draft_tokens" not in params:
+    uniforms = _row_uniforms(sampling.seeds, sampling.seeds_high, sampling.positions)
+    if sampling.draft_tokens is None:
         return _inverse_cdf_sample(scaled, uniforms)
-    return verify_draws(scaled, params["draft_tokens"], uniforms,
-                        _row_uniforms(params["seeds"], params["seeds_high"], params["positions"], ACCEPT_STREAM))
+    return verify_draws(scaled, sampling.draft_tokens, uniforms,
+                        _row_uniforms(sampling.seeds, sampling.seeds_high, sampling.positions, ACCEPT_STREAM))
 
 
 def verify_draws(logits, draft_tokens, uniforms, accept_uniforms):
@@ -216,20 +224,19 @@ def _maybe(flag, fn, x):
     return jax.lax.cond(flag, fn, lambda y: y, x)
 
 
-def _process_logits(logits, params):
+def _process_logits(logits, sampling: SamplingMetadata):
     """Allowed tokens, logit bias, bans, penalties: each only in batches where some row uses it."""
-    allowed = params["allowed_token_ids"]
+    allowed = sampling.allowed_token_ids
     logits = _maybe(jnp.any(allowed >= 0), lambda l: _keep_allowed(l, allowed), logits)
-    bias_ids, bias_values = params["logit_bias_ids"], params["logit_bias_values"]
+    bias_ids, bias_values = sampling.logit_bias_ids, sampling.logit_bias_values
     logits = _maybe(jnp.any(bias_ids >= 0), lambda l: _add_logit_bias(l, bias_ids, bias_values), logits)
-    banned = params["banned"]
+    banned = sampling.banned
     logits = _maybe(jnp.any(banned >= 0), lambda l: _ban_tokens(l, banned), logits)
-    needs_penalty = (params["repetition_penalty"] != 1.0) | (params["presence_penalty"] != 0.0) | (
-        params["frequency_penalty"] != 0.0)
+    needs_penalty = (sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0) | (
+        sampling.frequency_penalty != 0.0)
     return _maybe(jnp.any(needs_penalty),
-                  lambda l: _apply_penalties(l, params["history"], params["prompt_lens"],
-                                             params["repetition_penalty"], params["presence_penalty"],
-                                             params["frequency_penalty"]), logits)
+                  lambda l: _apply_penalties(l, sampling.history, sampling.prompt_lens, sampling.repetition_penalty,
+                                             sampling.presence_penalty, sampling.frequency_penalty), logits)
 
 
 def _ranks(raw, chosen):
@@ -244,23 +251,19 @@ def _top_logprobs(raw, log_normalizer):
     return values - log_normalizer[:, None], ids.astype(jnp.int32)
 
 
-def with_draft_rows(params, draft_rows):
-    """The sampling parameters of the sequences' rows followed by the draft rows: each draft row
-    takes its sequence's parameters, its own position and the proposal it verifies."""
-    seqs = draft_rows["seqs"]
-    rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.take(x, seqs, axis=0)]), params)
-    rows["positions"] = jnp.concatenate([params["positions"], draft_rows["positions"]])
-    no_draft = jnp.full(params["positions"].shape, NO_TOKEN, jnp.int32)
-    rows["draft_tokens"] = jnp.concatenate([no_draft, draft_rows["tokens"]])
-    return rows
+def with_draft_rows(sampling: SamplingMetadata, draft_rows: DraftRows) -> SamplingMetadata:
+    """The sampling settings of the sequences' rows followed by the draft rows: each draft row
+    takes its sequence's settings, its own position and the proposal it verifies."""
+    seqs = draft_rows.seqs
+    rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.take(x, seqs, axis=0)]), sampling)
+    no_draft = jnp.full(sampling.positions.shape, NO_TOKEN, jnp.int32)
+    return dataclasses.replace(rows, positions=jnp.concatenate([sampling.positions, draft_rows.positions]),
+                               draft_tokens=jnp.concatenate([no_draft, draft_rows.tokens]))
 
 
-def sample(logits, params):
-    """Sample one token per row. ``params`` is the sampling part of the step batch (all [S] arrays
-    unless noted): temperature, top_k, top_p, min_p, repetition/presence/frequency penalties,
-    seeds and seeds_high (the two halves of the 64-bit seed), positions, history [S, H],
-    prompt_lens, banned [S, B], allowed_token_ids [S, A], logit_bias_ids / logit_bias_values
-    [S, L], num_logprobs (``NO_LOGPROBS`` or k).
+def sample(logits, sampling: SamplingMetadata):
+    """Sample one token per row of ``logits`` [S, V] with the row's settings in ``sampling`` (the
+    step batch's ``SamplingMetadata``, or with ``draft_tokens`` after ``with_draft_rows``).
 
     Logprobs are those of the raw model distribution (before bias, bans, penalties and
     temperature), as vLLM reports them by default. ``ranks`` and the top logprobs are computed only
@@ -268,12 +271,12 @@ def sample(logits, params):
     """
     raw = logits
     log_normalizer = jax.nn.logsumexp(raw, axis=-1)
-    logits = _process_logits(logits, params)
+    logits = _process_logits(logits, sampling)
     greedy_tokens = first_argmax(logits)
-    is_sampled = params["temperature"] > 0.0
+    is_sampled = sampling.temperature > 0.0
     # A greedy batch skips temperature, filters and the draw entirely: even `logits / 1` over the
     # vocabulary cost 6.5 ms per 64-row step (profiled).
-    drawn = jax.lax.cond(jnp.any(is_sampled), lambda x: _draw(x, params, is_sampled), lambda x: greedy_tokens,
+    drawn = jax.lax.cond(jnp.any(is_sampled), lambda x: _draw(x, sampling, is_sampled), lambda x: greedy_tokens,
                          logits)
     tokens = jnp.where(is_sampled, drawn, greedy_tokens)
     token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_normalizer
@@ -284,7 +287,7 @@ def sample(logits, params):
     rows = raw.shape[0]
     empty = (jnp.zeros(rows, jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
              jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
-    ranks, top_values, top_ids = jax.lax.cond(jnp.any(params["num_logprobs"] >= 0), logprob_details,
+    ranks, top_values, top_ids = jax.lax.cond(jnp.any(sampling.num_logprobs >= 0), logprob_details,
                                               lambda x: empty, raw)
     return {"tokens": tokens, "logprobs": token_logprobs, "ranks": ranks, "top_ids": top_ids,
             "top_logprobs": top_values}

@@ -20,7 +20,7 @@ from jaxrunner.models.loader import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
 from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
-from jaxrunner.runner import cache_events, warmup
+from jaxrunner.runner import cache_events, memory, warmup
 
 logger = logging.getLogger("jaxrunner")
 
@@ -117,16 +117,16 @@ def _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh
     holds its shard of the weights and ``1 / tp`` of every page (the pool is split by KV heads)."""
     weights_bytes = max(sharding.bytes_per_device(model.params).values())
     bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
-    warmup.check_pool_fits(budget, weights_bytes, bytes_per_page, config.num_pages, config.kv_cache_memory_bytes)
+    memory.check_pool_fits(budget, weights_bytes, bytes_per_page, config.num_pages, config.kv_cache_memory_bytes)
     if config.num_pages is not None:
         return config.num_pages, "num_pages given", 0
     activation_bytes = 0
     if budget.device_bytes is not None and config.kv_cache_memory_bytes is None:
-        warmup.check_weights_fit(budget, weights_bytes)
+        memory.check_weights_fit(budget, weights_bytes)
         activation_bytes = _profile_activation_bytes(model, plan, template, config, max_model_len, mesh,
                                                      budget.budget_bytes - weights_bytes)
     pages_per_seq = math.ceil(max_model_len / config.page_size)
-    num_pages, how = warmup.size_kv_pool(
+    num_pages, how = memory.size_kv_pool(
         budget=budget, weights_bytes=weights_bytes, activation_bytes=activation_bytes,
         bytes_per_page=bytes_per_page,
         max_useful_pages=config.max_num_seqs * pages_per_seq + 1, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
@@ -150,7 +150,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     cfg = model.config
     mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
     device = meshes.local_device(mesh)
-    budget = warmup.memory_budget(device, config.memory_utilization)
+    budget = memory.memory_budget(device, config.memory_utilization)
     impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))

@@ -1,17 +1,18 @@
-"""Warm-up on randomized dummy batches, memory profiling, and KV-pool sizing.
+"""Warm-up on randomized dummy batches, the attention self-check and the MoE expert-load probe
+(the memory budget and KV-pool sizing are ``runner.memory``).
 
 Why random and not zeros: zero token ids, zero positions and all-scratch page tables take different
 paths in data-dependent code (dynamic int8 activation scales of zero, sampler branches that never
 run, gathers that read only page 0) and hide wrong indexing — a bad gather of zeros still looks like
 zeros. Every dummy batch here is drawn from one seeded ``jax.random`` key, so warm-up is
-reproducible, and it has exactly the shapes, dtypes and pytree structure serving uses, so nothing
+reproducible, and it is laid out by the code that lays out served batches
+(``step_batch.lay_out``), so it has exactly their shapes, dtypes and pytree structure, and nothing
 compiles after it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import jax
@@ -19,19 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner import kernels
-from jaxrunner.runner.batch import (MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, SCRATCH_PAGE,
-                                    empty_batch)
 from jaxrunner.runner.buckets import Bucket
+from jaxrunner.runner.memory import StartupError
+from jaxrunner.runner.sampler import NO_TOKEN
+from jaxrunner.runner.step_batch import NO_FEED, SequenceRows, StepBatch, lay_out, random_sampling_rows
+
 
 WARMUP_MAX_CONTEXT = 256       # cached tokens before a warm-up query (one decode per batch goes up to the full width)
 SELF_CHECK_MAX_PAGES = 32      # page-table width of the attention self-check's case
-CPU_DEFAULT_KV_FRACTION = 0.25   # of available host RAM, when no accelerator reports its memory
-CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
-SAFETY_MARGIN_FRACTION = 0.05
-
-
-class StartupError(RuntimeError):
-    """Start-up cannot go on: memory budget exceeded, or the warm-up self-check failed."""
 
 
 # ----------------------------------------------------------------------------- dummy batches
@@ -51,42 +47,44 @@ def _split_tokens(rng: np.random.Generator, num_tokens: int, num_seqs: int,
     return q_lens
 
 
-def _fill_random_sampling(rng: np.random.Generator, sampling: dict, num_seqs: int, vocab: int) -> None:
-    """Random per-row sampling parameters; each feature is on for the whole batch or not, so that
-    across buckets both sides of every ``lax.cond`` in the sampler execute."""
-    on = lambda: rng.random() < 0.5  # noqa: E731
-    rows = slice(0, num_seqs)
-    sampling["temperature"][rows] = np.where(rng.random(num_seqs) < 0.5, 0.0, rng.uniform(0.3, 1.5, num_seqs))
-    sampling["seeds"][rows] = rng.integers(0, 2**32, num_seqs, dtype=np.uint64).astype(np.uint32)
-    sampling["seeds_high"][rows] = rng.integers(0, 2**32, num_seqs, dtype=np.uint64).astype(np.uint32)
-    if on():
-        sampling["top_k"][rows] = rng.integers(0, 64, num_seqs)
-        sampling["top_p"][rows] = rng.uniform(0.3, 1.0, num_seqs)
-        sampling["min_p"][rows] = np.where(rng.random(num_seqs) < 0.5, 0.0, rng.uniform(0, 0.2, num_seqs))
-    if on():
-        sampling["repetition_penalty"][rows] = rng.uniform(0.8, 1.5, num_seqs)
-        sampling["presence_penalty"][rows] = rng.uniform(-1, 1, num_seqs)
-        sampling["frequency_penalty"][rows] = rng.uniform(-1, 1, num_seqs)
-        history = sampling["history"]
-        history[rows] = rng.integers(0, vocab, (num_seqs, history.shape[1]))
-    if on():
-        sampling["banned"][rows, : MAX_BANNED_TOKENS // 2] = rng.integers(0, vocab, (num_seqs, MAX_BANNED_TOKENS // 2))
-    if on():
-        sampling["num_logprobs"][rows] = rng.integers(-1, 21, num_seqs)
-    if on():  # some rows restricted to a few tokens, the others free
-        restricted = np.flatnonzero(rng.random(num_seqs) < 0.5)
-        width = int(rng.integers(1, MAX_ALLOWED_TOKEN_IDS + 1))
-        sampling["allowed_token_ids"][restricted, :width] = rng.integers(0, vocab, (len(restricted), width))
-    if on():
-        width = int(rng.integers(1, MAX_LOGIT_BIAS + 1))
-        sampling["logit_bias_ids"][rows, :width] = rng.integers(0, vocab, (num_seqs, width))
-        sampling["logit_bias_values"][rows, :width] = rng.uniform(-100, 100, (num_seqs, width))
+@dataclasses.dataclass(frozen=True)
+class _RandomQuery:
+    """One dummy sequence's query: its length, context, pages, tokens and prompt length."""
+
+    kv_len: int
+    pages: np.ndarray
+    token_ids: np.ndarray
+    prompt_len: int
+
+
+def _random_query(rng: np.random.Generator, q_len: int, longest: int, page_size: int, num_pages: int,
+                  vocab_size: int) -> _RandomQuery:
+    """A query of ``q_len`` tokens ending anywhere up to ``longest`` cached tokens, on random pages."""
+    kv_len = int(rng.integers(q_len, longest + 1))
+    needed = math.ceil(kv_len / page_size)  # a small pool may repeat pages: still valid, never scratch
+    pages = rng.choice(np.arange(1, num_pages), size=needed, replace=needed > num_pages - 1)
+    token_ids = rng.integers(0, vocab_size, q_len)
+    return _RandomQuery(kv_len, pages, token_ids, int(rng.integers(1, kv_len + 1)))
+
+
+def _random_drafts(rng: np.random.Generator, q_lens: np.ndarray, draft_rows: int) -> list[int]:
+    """Proposals per query (speculative buckets): about half of the queries of 2+ tokens end in
+    1..q-1 of them, while the bucket's draft rows last."""
+    drafts, left = [], draft_rows
+    for q_len in q_lens:
+        most = min(int(q_len) - 1, left)
+        drafts.append(int(rng.integers(1, most + 1)) if most > 0 and rng.random() < 0.5 else 0)
+        left -= drafts[-1]
+    return drafts
 
 
 def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
                        max_model_len: int, max_prefill_seqs: int | None = None,
-                       max_context: int | None = None) -> dict:
-    """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring).
+                       max_context: int | None = None) -> StepBatch:
+    """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring),
+    laid out by ``step_batch.lay_out`` as served batches are. A quarter of the tokens read the
+    previous step's sampled ids on the device (async scheduling); in about half of the batches,
+    half of the rows want prompt logprobs.
 
     ``max_context`` bounds the cached tokens before each query, except for the first decode,
     which still reaches anywhere up to the full page table: attention's cost follows the real
@@ -94,161 +92,35 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     (the executable, and so what is proven, is the same)."""
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
     rng = np.random.default_rng(seed)
-    batch = empty_batch(bucket, page_size)
     num_seqs = int(rng.integers(1, bucket.num_seqs + 1))
-    q_lens = _split_tokens(rng, bucket.num_tokens, num_seqs, max_prefill_seqs)
     max_len = min(max_model_len, bucket.num_pages * page_size)
+    q_lens = np.minimum(_split_tokens(rng, bucket.num_tokens, num_seqs, max_prefill_seqs), max_len)
     long_row = int(np.argmax(q_lens == 1)) if np.any(q_lens == 1) else -1
-    cursor = 0
-    for s, q_len in enumerate(q_lens):
-        q_len = int(min(q_len, max_len))
-        longest = max_len if max_context is None or s == long_row else min(max_len, q_len + max_context)
-        kv_len = int(rng.integers(q_len, longest + 1))
-        needed = math.ceil(kv_len / page_size)  # a small pool may repeat pages: still valid, never scratch
-        pages = rng.choice(np.arange(1, num_pages), size=needed, replace=needed > num_pages - 1)
-        positions = np.arange(kv_len - q_len, kv_len)
-        rows = slice(cursor, cursor + q_len)
-        batch["token_ids"][rows] = rng.integers(0, vocab_size, q_len)
-        batch["positions"][rows] = positions
-        batch["slot_mapping"][rows] = pages[positions // page_size] * page_size + positions % page_size
-        batch["page_indices"][s, : len(pages)] = pages
-        batch["kv_lens"][s] = kv_len
-        cursor += q_len
-        batch["cu_q_lens"][s + 1] = cursor
-        batch["logits_indices"][s] = cursor - 1
-        batch["sampling"]["positions"][s] = kv_len
-        batch["sampling"]["prompt_lens"][s] = int(rng.integers(1, kv_len + 1))
-    batch["cu_q_lens"][num_seqs + 1:] = cursor
-    batch["num_seqs"][...] = num_seqs
-    # some tokens read the previous step's sampled ids on the device (async scheduling)
-    fed = rng.random(cursor) < 0.25
-    batch["feed_rows"][:cursor] = np.where(fed, rng.integers(0, bucket.num_seqs, cursor), -1)
-    _fill_random_sampling(rng, batch["sampling"], num_seqs, vocab_size)
-    if "draft_rows" in batch:  # speculative verification: random rows, some checking a proposal
-        spec, rows = batch["draft_rows"], len(batch["draft_rows"]["tokens"])
-        spec["logits_indices"][:] = rng.integers(0, max(cursor, 1), rows)
-        spec["seqs"][:] = rng.integers(0, num_seqs, rows)
-        spec["positions"][:] = rng.integers(0, max_len, rows)
-        spec["tokens"][:] = np.where(rng.random(rows) < 0.5, rng.integers(0, vocab_size, rows), -1)
-    if rng.random() < 0.5:  # prompt logprobs for some rows (the next prompt token's id)
-        wanted = rng.random(cursor) < 0.5
-        batch["prompt_targets"][:cursor] = np.where(wanted, rng.integers(0, vocab_size, cursor), -1)
-    return batch
+    longest = [max_len if max_context is None or s == long_row else min(max_len, int(q_len) + max_context)
+               for s, q_len in enumerate(q_lens)]
+    queries = [_random_query(rng, int(q_len), top, page_size, num_pages, vocab_size)
+               for q_len, top in zip(q_lens, longest)]
+    tokens = int(np.sum(q_lens))
+    feed = np.where(rng.random(tokens) < 0.25, rng.integers(0, bucket.num_seqs, tokens), NO_FEED)
+    sampling = random_sampling_rows(rng, [query.prompt_len for query in queries], vocab_size,
+                                    bucket.num_pages * page_size)
+    drafts = _random_drafts(rng, q_lens, bucket.num_draft_rows)
+    targets = None
+    if rng.random() < 0.5:
+        targets = np.where(rng.random(tokens) < 0.5, rng.integers(0, vocab_size, tokens), NO_TOKEN)
+    starts = np.cumsum(q_lens) - q_lens
+    return lay_out(bucket, page_size, [
+        SequenceRows(token_ids=query.token_ids, feed_rows=feed[start:start + q_len], kv_len=query.kv_len,
+                     pages=query.pages, prompt_targets=None if targets is None else targets[start:start + q_len],
+                     sampling=row, num_drafts=k)
+        for query, q_len, start, row, k in zip(queries, q_lens, starts, sampling, drafts)])
 
 
-def zeros_dummy_batch(bucket: Bucket, page_size: int) -> dict:
+def zeros_dummy_batch(bucket: Bucket, page_size: int) -> StepBatch:
     """The zero-filled batch (for comparison only): same shapes, so the same executables."""
-    batch = empty_batch(bucket, page_size)
-    batch["num_seqs"][...] = bucket.num_seqs
+    batch = StepBatch.empty(bucket, page_size)
+    batch.attention.num_seqs[...] = bucket.num_seqs
     return batch
-
-
-# ----------------------------------------------------------------------------- KV sizing
-def total_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-@dataclasses.dataclass
-class MemoryBudget:
-    device_bytes: int | None   # what the device reports (None on CPU)
-    budget_bytes: int          # what jaxrunner may use in all
-    source: str                # where the budget came from
-    host_total_bytes: int | None = None  # the host's RAM × memory_utilization (CPU): steadier than what is available now
-
-
-def memory_budget(device, memory_utilization: float) -> MemoryBudget:
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        limit = int(stats["bytes_limit"])
-        return MemoryBudget(limit, int(limit * memory_utilization), "device.memory_stats()['bytes_limit']")
-    host = available_host_bytes()
-    return MemoryBudget(None, int(host * memory_utilization), "available host RAM (CPU reports no memory stats)",
-                        host_total_bytes=int(total_host_bytes() * memory_utilization))
-
-
-def check_weights_fit(budget: MemoryBudget, weights_bytes: int) -> None:
-    if weights_bytes > budget.budget_bytes:
-        raise StartupError(
-            f"the weights alone ({weights_bytes / 2**20:.1f} MiB) exceed the memory budget "
-            f"({budget.budget_bytes / 2**20:.1f} MiB from {budget.source}) by "
-            f"{(weights_bytes - budget.budget_bytes) / 2**20:.1f} MiB")
-
-
-def check_pool_fits(budget: MemoryBudget, weights_bytes: int, bytes_per_page: int, num_pages: int | None,
-                    kv_cache_memory_bytes: int | None) -> None:
-    """A pool sized by the user (``num_pages`` or ``kv_cache_memory_bytes``) must fit beside the
-    weights: refused with the numbers before anything is allocated (allocating it layer by layer
-    would run until the process is killed)."""
-    check_weights_fit(budget, weights_bytes)
-    left = budget.budget_bytes - weights_bytes
-    asked = [("num_pages", num_pages, None if num_pages is None else num_pages * bytes_per_page),
-             ("kv_cache_memory_bytes", kv_cache_memory_bytes, kv_cache_memory_bytes)]
-    for name, value, pool_bytes in asked:
-        if pool_bytes is not None and pool_bytes > left:
-            valid = (f"num_pages <= {left // bytes_per_page}" if name == "num_pages" else
-                     f"kv_cache_memory_bytes <= {left}")
-            raise ValueError(
-                f"EngineConfig.{name}={value}: the KV pool needs {pool_bytes / 2**30:.2f} GiB "
-                f"({bytes_per_page} bytes per page) but {left / 2**30:.2f} GiB is left of the "
-                f"{budget.budget_bytes / 2**30:.2f} GiB budget ({budget.source}) after "
-                f"{weights_bytes / 2**30:.2f} GiB of weights; valid: {valid}")
-
-
-def size_kv_pool(*, budget: MemoryBudget, weights_bytes: int, activation_bytes: int, bytes_per_page: int,
-                 max_useful_pages: int, kv_cache_memory_bytes: int | None) -> tuple[int, str]:
-    """Number of KV pages, and a sentence saying how it was chosen."""
-    check_weights_fit(budget, weights_bytes)
-    if kv_cache_memory_bytes is not None:
-        kv_bytes, how = kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    elif budget.device_bytes is not None:
-        margin = int(SAFETY_MARGIN_FRACTION * budget.device_bytes)
-        kv_bytes = budget.budget_bytes - weights_bytes - activation_bytes - margin
-        how = "memory_utilization × device memory − weights − peak activations − margin"
-    else:
-        total = budget.host_total_bytes or budget.budget_bytes
-        kv_bytes = min(int(CPU_DEFAULT_KV_FRACTION * (total - weights_bytes)), CPU_DEFAULT_KV_CAP_BYTES,
-                       (budget.budget_bytes - weights_bytes) // 2)
-        how = (f"{CPU_DEFAULT_KV_FRACTION:.0%} of the host's RAM after weights (cap 4 GiB, at most half of "
-               f"what is available)")
-    pages = min(kv_bytes // bytes_per_page, max_useful_pages)
-    if pages < 2:
-        raise StartupError(f"no room for the KV cache: {kv_bytes / 2**20:.1f} MiB left ({how}), "
-                           f"{bytes_per_page / 2**20:.2f} MiB per page")
-    if pages == max_useful_pages:
-        how += f", capped at max_num_seqs × pages per sequence + scratch ({max_useful_pages})"
-    elif budget.device_bytes is None and kv_cache_memory_bytes is None:
-        pages = steady_page_count(pages)
-        how += ", rounded down to 4 steps per power of two"
-    return int(pages), how
-
-
-def steady_page_count(pages: int) -> int:
-    """``pages`` rounded down to one of 4 values per power of two (at most 20 % fewer).
-
-    The pool's size is in every executable's signature: a pool sized from host RAM that moves by
-    a few pages between processes would miss the persistent compilation cache at every start."""
-    if pages < 8:
-        return pages
-    step = 1 << (pages.bit_length() - 3)
-    return pages // step * step
 
 
 # ----------------------------------------------------------------------------- self-check
@@ -279,14 +151,15 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     pool_shape = (num_pages, page_size, num_kv_heads, head_dim)
     k_pages = jax.random.normal(k2, pool_shape, jnp.float32).astype(dtype)
     v_pages = jax.random.normal(k3, pool_shape, jnp.float32).astype(dtype)
-    args = (q, k_pages, v_pages, dummy["kv_lens"], dummy["page_indices"], dummy["cu_q_lens"], dummy["num_seqs"])
+    meta = dummy.attention
+    args = (q, k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
     outs = {}
     for name in (impl, "reference"):
         out = _checked_attention(*args, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs)
-        outs[name] = np.asarray(out, np.float32)[: int(dummy["cu_q_lens"][-1])]
+        outs[name] = np.asarray(out, np.float32)[: int(meta.cu_q_lens[-1])]
     error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
     tolerance = attention_tolerance(impl, dtype, max_abs_v=float(jnp.max(jnp.abs(v_pages.astype(jnp.float32)))),
-                                    max_kv_len=int(np.max(dummy["kv_lens"], initial=1)))
+                                    max_kv_len=int(np.max(meta.kv_lens, initial=1)))
     if not np.isfinite(error) or error > tolerance:
         raise StartupError(f"attention self-check failed: impl {impl!r} differs from the reference by "
                            f"{error:.3g} (tolerance {tolerance:.3g} for {jnp.dtype(dtype).name}) on bucket {bucket}")
@@ -322,7 +195,7 @@ def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_si
         sampled = runner.execute(bucket, batch)
         per_bucket[bucket]["run_s"] = time.perf_counter() - run_start
         if mode == "random":
-            check_sampled(sampled, int(batch["num_seqs"]), vocab_size, bucket)
+            check_sampled(sampled, batch.num_seqs, vocab_size, bucket)
     traced = sum(info["trace_s"] for info in per_bucket.values())
     lowered = sum(info["lower_s"] for info in per_bucket.values())
     phases = {"dummy_batches": built - start, "trace": traced, "lower": lowered,
@@ -339,7 +212,7 @@ def check_sampled(sampled: dict, live: int, vocab_size: int, bucket: Bucket) -> 
 
 
 # ----------------------------------------------------------------------------- MoE expert load
-def expert_load_report(runner, architecture, bucket: Bucket, random_batch: dict, page_size: int) -> dict:
+def expert_load_report(runner, architecture, bucket: Bucket, random_batch: StepBatch, page_size: int) -> dict:
     """How the dummy tokens of ``bucket`` spread over a MoE model's experts, random against zeros.
 
     With zeros every token is the same token at the same position, so every layer routes them all
@@ -355,9 +228,9 @@ def expert_load_report(runner, architecture, bucket: Bucket, random_batch: dict,
     cfg = architecture.cfg
     report = {"bucket": str(bucket), "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok}
     for name, batch in (("random", random_batch), ("zeros", zeros_dummy_batch(bucket, page_size))):
-        live = int(batch["cu_q_lens"][int(batch["num_seqs"])])
-        segments = np.searchsorted(batch["cu_q_lens"][1:], np.arange(bucket.num_tokens), side="right")
-        args = (runner.params, batch["token_ids"], batch["positions"], segments.astype(np.int32))
+        live = batch.num_live_tokens
+        segments = np.searchsorted(batch.attention.cu_q_lens[1:], np.arange(bucket.num_tokens), side="right")
+        args = (runner.params, batch.token_ids, batch.positions, segments.astype(np.int32))
         counts = np.asarray(probe(*args, np.int32(live)))
         rows = np.asarray(probe(*args, np.int32(bucket.num_tokens)))
         start = time.perf_counter()

@@ -1,0 +1,344 @@
+"""The step's input: one typed pytree at a bucket's shape, and the one function that fills it.
+
+``StepBatch`` is all the jitted step reads (``model_runner.model_step``). Its parts are frozen
+dataclasses registered with ``jax.tree_util.register_dataclass``: ``AttentionMetadata`` (what the
+KV write and ragged paged attention read; defined in ``models.attention`` beside the attention
+that reads it, since models never import the runner), ``SamplingMetadata`` (one row of sampling
+settings per sequence) and ``DraftRows`` (speculative verification; ``None``, an empty subtree, in
+buckets without draft rows). Every field is a data field: a meta field is part of the
+executable's signature, so a new value of it would compile while serving. Two batches of one
+bucket therefore differ in values only.
+
+One layout for serving and warm-up: ``runner.batch.pack_step`` (from the scheduler's chunks) and
+``runner.warmup.random_dummy_batch`` (random lengths, contexts, pages and ``random_sampling_rows``)
+both describe each sequence as a ``SequenceRows`` and hand the list to ``lay_out``, which alone
+knows where a sequence's tokens, positions, slots, page-table row, query and KV lengths, logits
+row, sampling row and draft rows go.
+
+Padding is inert by construction: padded tokens write their K/V into the scratch page, padded
+sequences have no query rows and ``kv_len`` 0, page-table entries past a sequence's pages point at
+the scratch page, and padded sampling rows hold the values that turn every option off.
+
+Per-row token-id options (banned tokens, ``allowed_token_ids``, ``logit_bias``) are fixed-width
+arrays padded with ``NO_TOKEN``; their widths below are the caps ``LLMEngine.check_sampling_params``
+enforces, so a request that would not fit is refused when it is added, never cut here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxrunner.kernels import SCRATCH_PAGE
+from jaxrunner.models.attention import AttentionMetadata
+from jaxrunner.runner.buckets import Bucket
+from jaxrunner.runner.sampler import MAX_LOGPROBS, NO_LOGPROBS, NO_TOKEN
+
+__all__ = ["AttentionMetadata", "SamplingMetadata", "DraftRows", "StepBatch", "SamplingRow", "SequenceRows",
+           "lay_out", "banned_tokens", "random_sampling_rows", "SCRATCH_PAGE", "NO_FEED", "MAX_BANNED_TOKENS",
+           "MAX_LOGIT_BIAS", "MAX_ALLOWED_TOKEN_IDS"]
+
+# Banned per row and step: EOS + stop_token_ids while min_tokens is not reached, and the last
+# token of each bad word whose other tokens end the output.
+MAX_BANNED_TOKENS = 64
+MAX_LOGIT_BIAS = 64          # logit_bias entries per request
+MAX_ALLOWED_TOKEN_IDS = 128  # allowed_token_ids per request
+NO_FEED = -1                 # feed_rows entry of a token known on the host
+
+
+def _pytree(*data_fields: str):
+    """Register a dataclass as a pytree whose fields are all data (traced), none static."""
+    return functools.partial(jax.tree_util.register_dataclass, data_fields=data_fields, meta_fields=())
+
+
+# ----------------------------------------------------------------------------- the batch
+# Shapes: T token rows, S sequence slots, W page-table columns (a bucket's), H = W * page_size
+# history columns, R draft rows.
+@_pytree("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+         "seeds", "seeds_high", "positions", "history", "prompt_lens", "banned", "allowed_token_ids",
+         "logit_bias_ids", "logit_bias_values", "num_logprobs", "draft_tokens")
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Each sampled row's settings (``runner.sampler.sample``). A padding row's values turn every
+    option off; a row's settings come from ``SamplingRow`` (same field names)."""
+
+    temperature: np.ndarray         # [S] float32: 0 is greedy
+    top_k: np.ndarray               # [S] int32: 0 is off
+    top_p: np.ndarray               # [S] float32: 1 is off
+    min_p: np.ndarray               # [S] float32: 0 is off
+    repetition_penalty: np.ndarray  # [S] float32: 1 is off; over prompt and output tokens
+    presence_penalty: np.ndarray    # [S] float32: 0 is off; over output tokens
+    frequency_penalty: np.ndarray   # [S] float32: 0 is off; over output tokens
+    seeds: np.ndarray               # [S] uint32: low half of the request's 64-bit seed
+    seeds_high: np.ndarray          # [S] uint32: its high half
+    positions: np.ndarray           # [S] int32: position of the token sampled (keys the row's randomness)
+    history: np.ndarray             # [S, H] int32: prompt + output ids for penalties, NO_TOKEN after
+    prompt_lens: np.ndarray         # [S] int32: history's first prompt_lens ids are the prompt
+    banned: np.ndarray              # [S, MAX_BANNED_TOKENS] int32: ids that may not be sampled, NO_TOKEN padded
+    allowed_token_ids: np.ndarray   # [S, MAX_ALLOWED_TOKEN_IDS] int32: the only ids allowed (none: all)
+    logit_bias_ids: np.ndarray      # [S, MAX_LOGIT_BIAS] int32: ids whose logit gets a bias, NO_TOKEN padded
+    logit_bias_values: np.ndarray   # [S, MAX_LOGIT_BIAS] float32: the bias added to each
+    num_logprobs: np.ndarray        # [S] int32: top logprobs wanted (0: the sampled token's only), NO_LOGPROBS: none
+    # [S + R] int32: the proposal each row verifies, NO_TOKEN for none. Only in the sampler's view of
+    # a batch with draft rows (``sampler.with_draft_rows``); None in every StepBatch.
+    draft_tokens: np.ndarray | None = None
+
+    @classmethod
+    def empty(cls, rows: int, history_width: int) -> SamplingMetadata:
+        return cls(
+            temperature=np.zeros(rows, np.float32),
+            top_k=np.zeros(rows, np.int32),
+            top_p=np.ones(rows, np.float32),
+            min_p=np.zeros(rows, np.float32),
+            repetition_penalty=np.ones(rows, np.float32),
+            presence_penalty=np.zeros(rows, np.float32),
+            frequency_penalty=np.zeros(rows, np.float32),
+            seeds=np.zeros(rows, np.uint32),
+            seeds_high=np.zeros(rows, np.uint32),
+            positions=np.zeros(rows, np.int32),
+            history=np.full((rows, history_width), NO_TOKEN, np.int32),
+            prompt_lens=np.zeros(rows, np.int32),
+            banned=np.full((rows, MAX_BANNED_TOKENS), NO_TOKEN, np.int32),
+            allowed_token_ids=np.full((rows, MAX_ALLOWED_TOKEN_IDS), NO_TOKEN, np.int32),
+            logit_bias_ids=np.full((rows, MAX_LOGIT_BIAS), NO_TOKEN, np.int32),
+            logit_bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+            num_logprobs=np.full(rows, NO_LOGPROBS, np.int32),
+        )
+
+
+@_pytree("logits_indices", "seqs", "positions", "tokens")
+@dataclasses.dataclass(frozen=True)
+class DraftRows:
+    """Speculative verification: extra sampled rows, after the sequences' own, in chunk order. The
+    row of a chunk's last known token and of each proposal but the last verifies the next proposal."""
+
+    logits_indices: np.ndarray  # [R] int32: the token row whose logits the draft row samples
+    seqs: np.ndarray            # [R] int32: the sequence whose sampling settings it takes
+    positions: np.ndarray       # [R] int32: the position it samples
+    tokens: np.ndarray          # [R] int32: the proposal it checks; NO_TOKEN in unused rows
+
+    @classmethod
+    def empty(cls, rows: int) -> DraftRows:
+        return cls(logits_indices=np.zeros(rows, np.int32), seqs=np.zeros(rows, np.int32),
+                   positions=np.zeros(rows, np.int32), tokens=np.full(rows, NO_TOKEN, np.int32))
+
+
+@_pytree("token_ids", "feed_rows", "positions", "logits_indices", "prompt_targets", "attention", "sampling",
+         "draft_rows")
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's input at a bucket's shape: numpy arrays on the host, traced in the jitted step."""
+
+    token_ids: np.ndarray       # [T] int32: the tokens computed, sequence after sequence; 0 where fed
+    feed_rows: np.ndarray       # [T] int32: the previous step's sampled row whose id replaces the token, or NO_FEED
+    positions: np.ndarray       # [T] int32: each token's position in its sequence (RoPE)
+    logits_indices: np.ndarray  # [S] int32: the token row each sequence samples from (its last)
+    prompt_targets: np.ndarray  # [T] int32: next prompt token of a row whose request wants prompt logprobs, NO_TOKEN
+    attention: AttentionMetadata  # what the KV write and attention read
+    sampling: SamplingMetadata    # one sampling row per sequence slot
+    draft_rows: DraftRows | None  # speculative verification rows; None in buckets without them
+
+    @classmethod
+    def empty(cls, bucket: Bucket, page_size: int) -> StepBatch:
+        """A batch of ``bucket``'s shape with nothing in it (every row padding)."""
+        t, s, w = bucket.num_tokens, bucket.num_seqs, bucket.num_pages
+        attention = AttentionMetadata(slot_mapping=np.full(t, SCRATCH_PAGE * page_size, np.int32),
+                                      page_indices=np.full((s, w), SCRATCH_PAGE, np.int32),
+                                      cu_q_lens=np.zeros(s + 1, np.int32), kv_lens=np.zeros(s, np.int32),
+                                      num_seqs=np.zeros((), np.int32))
+        return cls(token_ids=np.zeros(t, np.int32), feed_rows=np.full(t, NO_FEED, np.int32),
+                   positions=np.zeros(t, np.int32), logits_indices=np.zeros(s, np.int32),
+                   prompt_targets=np.full(t, NO_TOKEN, np.int32), attention=attention,
+                   sampling=SamplingMetadata.empty(s, w * page_size),
+                   draft_rows=DraftRows.empty(bucket.num_draft_rows) if bucket.num_draft_rows else None)
+
+    @property
+    def num_seqs(self) -> int:
+        """Live sequences (host side)."""
+        return int(self.attention.num_seqs)
+
+    @property
+    def num_live_tokens(self) -> int:
+        """Token rows of the live sequences; the rest are padding (host side)."""
+        return int(self.attention.cu_q_lens[self.num_seqs])
+
+
+# ----------------------------------------------------------------------------- one sequence's rows
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """One sequence's sampling settings: ``lay_out`` writes each field into the ``SamplingMetadata``
+    column of the same name (a token-id list into the row's first entries). Defaults are "off"."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seeds: int = 0
+    seeds_high: int = 0
+    prompt_lens: int = 0
+    history: Sequence[int] = ()
+    banned: Sequence[int] = ()
+    allowed_token_ids: Sequence[int] = ()
+    logit_bias_ids: Sequence[int] = ()
+    logit_bias_values: Sequence[float] = ()
+    num_logprobs: int = NO_LOGPROBS
+
+    @classmethod
+    def from_request(cls, request, eos_token_ids=()) -> SamplingRow:
+        """The settings of ``request``'s next token (an ``engine.request.Request``)."""
+        sp = request.sampling_params
+        if request.needs_host_history and request.num_pending_outputs:
+            raise RuntimeError(f"request {request.request_id!r}: penalties and bad words need every past token on "
+                               "the host, but one is still on the device (async scheduling must wait for it)")
+        bias = sp.logit_bias or {}
+        return cls(temperature=0.0 if sp.greedy else sp.temperature, top_k=max(sp.top_k, 0), top_p=sp.top_p,
+                   min_p=sp.min_p, repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+                   frequency_penalty=sp.frequency_penalty, seeds=request.seed & 0xFFFFFFFF,
+                   seeds_high=request.seed >> 32, prompt_lens=request.num_prompt_tokens,
+                   history=request.all_token_ids if sp.uses_penalties else (),
+                   banned=banned_tokens(request, eos_token_ids), allowed_token_ids=sp.allowed_token_ids or (),
+                   logit_bias_ids=list(bias), logit_bias_values=list(bias.values()),
+                   num_logprobs=NO_LOGPROBS if sp.logprobs is None else sp.logprobs)
+
+
+def banned_tokens(request, eos_token_ids) -> list[int]:
+    """Tokens the request may not sample next: EOS and stop ids before ``min_tokens``, and, as in
+    vLLM, the last token of each bad word whose other tokens are the end of the output so far
+    (a one-token bad word is always banned)."""
+    sp = request.sampling_params
+    banned = set()
+    if request.num_expected_outputs < sp.min_tokens:
+        banned.update(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            banned.update(eos_token_ids)
+    outputs = request.output_token_ids
+    for word in request.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(outputs) and outputs[len(outputs) - len(prefix):] == prefix:
+            banned.add(word[-1])
+    if len(banned) > MAX_BANNED_TOKENS:  # check_sampling_params keeps requests under it
+        raise RuntimeError(f"request {request.request_id!r}: {len(banned)} banned tokens, at most "
+                           f"{MAX_BANNED_TOKENS} fit")
+    return sorted(banned)
+
+
+def random_sampling_rows(rng: np.random.Generator, prompt_lens: Sequence[int], vocab: int,
+                         history_width: int) -> list[SamplingRow]:
+    """Random, valid settings for sequences whose prompts are ``prompt_lens`` long (warm-up). Each
+    option is on for the whole batch or for none of it, so that across buckets both sides of every
+    ``lax.cond`` in the sampler execute."""
+    rows = len(prompt_lens)
+    on = lambda: rng.random() < 0.5  # noqa: E731
+    columns = {
+        "temperature": np.where(rng.random(rows) < 0.5, 0.0, rng.uniform(0.3, 1.5, rows)),
+        "seeds": rng.integers(0, 2**32, rows, dtype=np.uint64),
+        "seeds_high": rng.integers(0, 2**32, rows, dtype=np.uint64),
+        "prompt_lens": prompt_lens,
+    }
+    if on():
+        columns.update(top_k=rng.integers(0, 64, rows), top_p=rng.uniform(0.3, 1.0, rows),
+                       min_p=np.where(rng.random(rows) < 0.5, 0.0, rng.uniform(0, 0.2, rows)))
+    if on():
+        columns.update(repetition_penalty=rng.uniform(0.8, 1.5, rows), presence_penalty=rng.uniform(-1, 1, rows),
+                       frequency_penalty=rng.uniform(-1, 1, rows),
+                       history=rng.integers(0, vocab, (rows, history_width)))
+    if on():
+        columns.update(banned=rng.integers(0, vocab, (rows, MAX_BANNED_TOKENS // 2)))
+    if on():
+        columns.update(num_logprobs=rng.integers(NO_LOGPROBS, MAX_LOGPROBS + 1, rows))
+    if on():  # some rows restricted to a few tokens, the others free
+        restricted = rng.random(rows) < 0.5
+        width = int(rng.integers(1, MAX_ALLOWED_TOKEN_IDS + 1))
+        ids = iter(rng.integers(0, vocab, (int(np.sum(restricted)), width)))
+        columns.update(allowed_token_ids=[next(ids) if r else () for r in restricted])
+    if on():
+        width = int(rng.integers(1, MAX_LOGIT_BIAS + 1))
+        columns.update(logit_bias_ids=rng.integers(0, vocab, (rows, width)),
+                       logit_bias_values=rng.uniform(-100, 100, (rows, width)))
+    return [SamplingRow(**{name: values[i] for name, values in columns.items()}) for i in range(rows)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceRows:
+    """One sequence's part of a step, before ``lay_out`` places it at a bucket's shape. Its query
+    holds positions ``[kv_len - q, kv_len)``, q the number of its tokens."""
+
+    token_ids: np.ndarray  # [q] int32: the tokens computed, its proposals last (0 where fed from the device)
+    feed_rows: np.ndarray  # [q] int32: the previous step's sampled row whose id replaces the token, or NO_FEED
+    kv_len: int            # the sequence's cached tokens once the step is done (context + query)
+    pages: np.ndarray      # [>= ceil(kv_len / page_size)] int32: its pages; position p is in pages[p // page_size]
+    prompt_targets: np.ndarray | None = None  # [q] int32: next prompt token per row (prompt logprobs), NO_TOKEN
+    sampling: SamplingRow | None = None       # settings of the token it samples; None: no row sampled
+    num_drafts: int = 0    # its last num_drafts tokens are proposals, each checked by a draft row
+
+
+# ----------------------------------------------------------------------------- the layout
+def lay_out(bucket: Bucket, page_size: int, sequences: Sequence[SequenceRows]) -> StepBatch:
+    """The batch of ``bucket``'s shape holding ``sequences`` back to back, the rest padding."""
+    if len(sequences) > bucket.num_seqs or sum(len(seq.token_ids) for seq in sequences) > bucket.num_tokens:
+        raise RuntimeError(f"{len(sequences)} sequences of {sum(len(seq.token_ids) for seq in sequences)} tokens "
+                           f"do not fit bucket {bucket}")
+    batch = StepBatch.empty(bucket, page_size)
+    cursor, draft_row = 0, 0
+    for slot, seq in enumerate(sequences):
+        _lay_out_tokens(batch, slot, seq, cursor, page_size)
+        cursor += len(seq.token_ids)
+        if seq.sampling is not None:
+            _lay_out_sampling(batch.sampling, slot, seq.sampling, seq.kv_len)
+        if seq.num_drafts:
+            draft_row = _lay_out_drafts(batch, slot, seq, cursor, draft_row)
+    batch.attention.cu_q_lens[len(sequences) + 1:] = cursor
+    batch.attention.num_seqs[...] = len(sequences)
+    return batch
+
+
+def _lay_out_tokens(batch: StepBatch, slot: int, seq: SequenceRows, cursor: int, page_size: int) -> None:
+    """Token rows ``[cursor, cursor + q)`` and sequence slot ``slot``."""
+    q = len(seq.token_ids)
+    rows = slice(cursor, cursor + q)
+    positions = np.arange(seq.kv_len - q, seq.kv_len, dtype=np.int32)
+    pages = np.asarray(seq.pages, np.int32)
+    batch.token_ids[rows] = seq.token_ids
+    batch.feed_rows[rows] = seq.feed_rows
+    batch.positions[rows] = positions
+    if seq.prompt_targets is not None:
+        batch.prompt_targets[rows] = seq.prompt_targets
+    batch.logits_indices[slot] = cursor + q - 1
+    meta = batch.attention
+    meta.slot_mapping[rows] = pages[positions // page_size] * page_size + positions % page_size
+    meta.page_indices[slot, :len(pages)] = pages
+    meta.kv_lens[slot] = seq.kv_len
+    meta.cu_q_lens[slot + 1] = cursor + q
+
+
+def _lay_out_sampling(sampling: SamplingMetadata, slot: int, row: SamplingRow, kv_len: int) -> None:
+    """Row ``slot`` of every sampling column; it samples the token after the query (at ``kv_len``)."""
+    for field in dataclasses.fields(SamplingRow):
+        column, value = getattr(sampling, field.name), getattr(row, field.name)
+        if column.ndim == 1:
+            column[slot] = value
+        elif len(value) > column.shape[1]:
+            raise RuntimeError(f"sampling {field.name}: {len(value)} entries, the batch holds {column.shape[1]}")
+        else:
+            column[slot, :len(value)] = value
+    sampling.positions[slot] = kv_len
+
+
+def _lay_out_drafts(batch: StepBatch, slot: int, seq: SequenceRows, end: int, draft_row: int) -> int:
+    """Draft rows of ``seq``'s proposals (its tokens end at row ``end``); returns the next free one."""
+    k, spec = seq.num_drafts, batch.draft_rows
+    if spec is None or draft_row + k > len(spec.tokens):
+        raise RuntimeError(f"sequence {slot}: {k} proposals do not fit the bucket's draft rows")
+    rows = slice(draft_row, draft_row + k)
+    first_sampled = seq.kv_len - k  # the position the first verifying row samples
+    spec.logits_indices[rows] = np.arange(end - k - 1, end - 1)
+    spec.seqs[rows] = slot
+    spec.positions[rows] = np.arange(first_sampled, seq.kv_len)
+    spec.tokens[rows] = seq.token_ids[-k:]
+    return draft_row + k
