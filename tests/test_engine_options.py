@@ -54,13 +54,12 @@ def test_numpy_integers_are_integers():
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if any weight is read: the checks must come first."""
-    from jaxrunner.engine import data_parallel, engine
+    from jaxrunner.runner import builder
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(engine, "load_model", refuse)
-    monkeypatch.setattr(data_parallel, "load_model", refuse)
+    monkeypatch.setattr(builder, "load_model", refuse)
 
 
 # ----------------------------------------------------------------------------- against the model, before loading
