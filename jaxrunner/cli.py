@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxrunner.config import DEFAULT_MODEL, DTYPES
+from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "the KV cache holds)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "jax_tpu", "native", "xla", "reference"],
+    parser.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES),
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")

@@ -9,9 +9,9 @@ if __name__ != "jaxrunner.kernels":
     __path__ = []
 else:
     from jaxrunner.kernels.blocks import SCRATCH_PAGE
-    from jaxrunner.kernels.dispatch import (IMPLS, choose_impl, ragged_paged_attention, resolve_impl,
-                                            write_kv_and_attend)
+    from jaxrunner.kernel_names import ATTENTION_IMPLS
+    from jaxrunner.kernels.dispatch import choose_impl, ragged_paged_attention, resolve_impl, write_kv_and_attend
     from jaxrunner.kernels.kv_write import write_kv_pages
 
-    __all__ = ["SCRATCH_PAGE", "IMPLS", "choose_impl", "ragged_paged_attention", "resolve_impl",
+    __all__ = ["SCRATCH_PAGE", "ATTENTION_IMPLS", "choose_impl", "ragged_paged_attention", "resolve_impl",
                "write_kv_pages", "write_kv_and_attend"]

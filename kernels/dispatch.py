@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import jax
 
-IMPLS = ("reference", "xla", "native", "pallas", "jax_tpu")
+from jaxrunner.kernel_names import ATTENTION_IMPLS, AUTO
+
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -31,10 +32,10 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
     """``(implementation, why)`` for ``impl`` on ``platform`` (default backend), for heads of
     ``head_dim`` and pages of ``page_size`` rows (None: unknown, any size the implementation
     takes)."""
-    if impl in IMPLS:
+    if impl in ATTENTION_IMPLS:
         return impl, "asked for"
-    if impl != "auto":
-        raise ValueError(f"impl must be 'auto' or one of {IMPLS}, got {impl!r}")
+    if impl != AUTO:
+        raise ValueError(f"impl must be {AUTO!r} or one of {ATTENTION_IMPLS}, got {impl!r}")
     platform = (platform or jax.default_backend()).lower()
     if platform in GPU_PLATFORMS:
         if triton_supports(head_dim):
