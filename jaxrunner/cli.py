@@ -215,7 +215,6 @@ def cmd_info(args) -> int:
     import jax
 
     from jaxrunner import __version__, kernels
-    from jaxrunner.kernels import native
     from jaxrunner.config import DEFAULT_MODEL, EngineConfig
     from jaxrunner.models.loading.resolve import ModelNotFoundError, resolve_model
 
@@ -227,7 +226,7 @@ def cmd_info(args) -> int:
     info = {"jaxrunner": __version__, "jax": jax.__version__, "python": platform.python_version(),
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "cpu_count": os.cpu_count(), "attention_impl": kernels.resolve_impl("auto", device.platform),
-            "native_cpu_kernel": native.unavailable_reason() or "ready",
+            "native_cpu_kernel": kernels.capabilities(device.platform).native_cpu_status,
             "default_model": f"{DEFAULT_MODEL}: {default_model}",
             "compilation_cache_dir": EngineConfig().compilation_cache_dir}
     if args.json:
