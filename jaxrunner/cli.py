@@ -192,7 +192,7 @@ def _check_destination(dst: str, overwrite: bool) -> None:
 
 
 def cmd_convert(args) -> int:
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
     from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
 
     _check_destination(args.dst, args.overwrite)

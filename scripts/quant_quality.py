@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     import jax
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
 
     model = load_model(args.model, "float32", progress=False)
     chats, text = sequences(model.tokenizer)

@@ -10,7 +10,7 @@ from engine_helpers import make_llm, random_prompts, token_ids
 from jaxrunner import SamplingParams
 from jaxrunner.models import llama
 from jaxrunner.models.attention import DenseAttention
-from jaxrunner.models.loader import load_model
+from jaxrunner.models.loading import load_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import jax
 
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.engine import LLMEngine, ValidRequest, _check_owner
-from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.models.loading import LoadedModel, load_model
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
 from jaxrunner.runner import weights

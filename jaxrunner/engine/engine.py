@@ -39,7 +39,7 @@ from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxrunner.engine.spec_decode import NgramProposer
 from jaxrunner.engine.startup import start_runner
-from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.models.loading import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_model
 from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from jaxrunner.parallel import distributed, mesh as meshes

@@ -16,7 +16,7 @@ import jax
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.models import registry
-from jaxrunner.models.loader import LoadedModel
+from jaxrunner.models.loading import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
 from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
