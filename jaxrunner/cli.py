@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxrunner.config import DEFAULT_MODEL, DTYPES
+from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "the KV cache holds)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "jax_tpu", "native", "xla", "reference"],
+    parser.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES),
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
@@ -191,7 +192,7 @@ def _check_destination(dst: str, overwrite: bool) -> None:
 
 
 def cmd_convert(args) -> int:
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
     from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
 
     _check_destination(args.dst, args.overwrite)
@@ -214,7 +215,6 @@ def cmd_info(args) -> int:
     import jax
 
     from jaxrunner import __version__, kernels
-    from jaxrunner.kernels import native
     from jaxrunner.config import DEFAULT_MODEL, EngineConfig
     from jaxrunner.models.loading.resolve import ModelNotFoundError, resolve_model
 
@@ -226,7 +226,7 @@ def cmd_info(args) -> int:
     info = {"jaxrunner": __version__, "jax": jax.__version__, "python": platform.python_version(),
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "cpu_count": os.cpu_count(), "attention_impl": kernels.resolve_impl("auto", device.platform),
-            "native_cpu_kernel": native.unavailable_reason() or "ready",
+            "native_cpu_kernel": kernels.capabilities(device.platform).native_cpu_status,
             "default_model": f"{DEFAULT_MODEL}: {default_model}",
             "compilation_cache_dir": EngineConfig().compilation_cache_dir}
     if args.json:

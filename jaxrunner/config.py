@@ -10,11 +10,12 @@ import dataclasses
 import numbers
 import os
 
+from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (None, "float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "pallas", "jax_tpu", "xla", "native", "reference")
 WARMUP_INPUTS = ("random", "zeros")
 SPECULATIVE_METHODS = (None, "ngram")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # 1 + 3 query tokens fill the 4-token bucket a batch-1 decode already has
@@ -63,7 +64,7 @@ class EngineConfig:
         _check_str("model", self.model, "an alias, a .gguf file or a model directory")
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPL_CHOICES)
         _check_choice("warmup_inputs", self.warmup_inputs, WARMUP_INPUTS)
         for name, low in (("seed", 0), ("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("min_token_bucket", 1), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):

@@ -15,10 +15,9 @@
 """
 from __future__ import annotations
 
-import jax
-
-IMPLS = ("reference", "xla", "native", "pallas", "jax_tpu")
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+from jaxrunner.kernel_names import ATTENTION_IMPLS, AUTO
+from jaxrunner.kernels.capabilities import capabilities
+from jaxrunner.kernels.native import supports as supports_head_dim
 
 
 def triton_supports(head_dim: int | None) -> bool:
@@ -30,32 +29,28 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
                 page_size: int | None = None) -> tuple[str, str]:
     """``(implementation, why)`` for ``impl`` on ``platform`` (default backend), for heads of
     ``head_dim`` and pages of ``page_size`` rows (None: unknown, any size the implementation
-    takes)."""
-    if impl in IMPLS:
+    takes). What runs on the platform at all is :func:`capabilities`' answer."""
+    if impl in ATTENTION_IMPLS:
         return impl, "asked for"
-    if impl != "auto":
-        raise ValueError(f"impl must be 'auto' or one of {IMPLS}, got {impl!r}")
-    platform = (platform or jax.default_backend()).lower()
-    if platform in GPU_PLATFORMS:
+    if impl != AUTO:
+        raise ValueError(f"impl must be {AUTO!r} or one of {ATTENTION_IMPLS}, got {impl!r}")
+    caps = capabilities(platform)
+    if caps.platform == "gpu":
         if triton_supports(head_dim):
             return "pallas", "GPU: the Pallas Triton kernel"
         return "xla", (f"GPU: head_dim {head_dim} is not a power of two in [16, 256], which the "
                        "Triton kernel's tiles need; plain XLA instead")
-    if platform == "tpu":
-        from jaxrunner.kernels import jax_tpu
-
-        missing = jax_tpu.available()
+    if caps.platform == "tpu":
+        missing = caps.attention["jax_tpu"]
         if missing is None and (head_dim is None or head_dim % 128 == 0):
             return "jax_tpu", "TPU: jax's ragged paged attention kernel"
         why = missing or f"head_dim {head_dim} is not a multiple of 128, which jax's TPU kernel needs"
         if page_size == 1:
             return "xla", f"TPU: {why}, and our Mosaic kernel needs pages of 2+ rows; plain XLA instead"
         return "pallas", f"TPU: {why}; our Pallas Mosaic kernel instead"
-    from jaxrunner.kernels import native
-
-    if not native.available():
-        return "xla", f"CPU: native kernel unavailable ({native.unavailable_reason()})"
-    if head_dim is not None and not native.supports(head_dim):
+    if caps.attention["native"] is not None:
+        return "xla", f"CPU: native kernel unavailable ({caps.attention['native']})"
+    if head_dim is not None and not supports_head_dim(head_dim):
         return "xla", f"CPU: the native kernel does not take head_dim {head_dim}"
     return "native", "CPU: the native kernel"
 

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -49,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step before planning the next (no host/device overlap)")
-    g.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "native", "xla", "reference"])
+    g.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES))
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     g.add_argument("--compilation-cache-dir", default=None,

@@ -77,16 +77,18 @@ def logits_fn(model):
     import jax
     import jax.numpy as jnp
 
+    from jaxrunner import kernels
     from jaxrunner.models import llama
     from jaxrunner.models.attention import DenseAttention
 
     cfg = model.config
+    matmuls = kernels.capabilities().matmuls  # the products run where the engine would run them
 
     @jax.jit
     def run(params, ids):
         hidden, _ = llama.forward(params, cfg, ids, jnp.arange(ids.shape[0]), [None] * cfg.num_layers,
-                                  jnp.zeros(ids.shape[0], jnp.int32), DenseAttention())
-        return llama.compute_logits(params, cfg, hidden).astype(jnp.float32)
+                                  jnp.zeros(ids.shape[0], jnp.int32), DenseAttention(), matmuls=matmuls)
+        return llama.compute_logits(params, cfg, hidden, matmuls=matmuls).astype(jnp.float32)
 
     def logits(params, ids: list[int]) -> np.ndarray:
         padded = np.zeros(PAD_TO, np.int32)
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     import jax
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
 
     model = load_model(args.model, "float32", progress=False)
     chats, text = sequences(model.tokenizer)

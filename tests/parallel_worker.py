@@ -59,7 +59,7 @@ def smollm2(gguf_path: str) -> dict:
     Loaded once from the GGUF and written as an orbax checkpoint, which every engine then restores
     straight into its own shardings.
     """
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
     from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
 
     checkpoint = os.path.join(tempfile.mkdtemp(), "smollm2")

@@ -182,7 +182,7 @@ def test_auto_dtype_float16_and_generation_config(bf16_checkpoint, caplog):
 
 def test_convert_keeps_the_generation_config(bf16_checkpoint, tmp_path):
     from jaxrunner.cli import main
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
 
     assert main(["convert", bf16_checkpoint, str(tmp_path / "ckpt")]) == 0
     converted = load_model(str(tmp_path / "ckpt"), progress=False)

@@ -9,7 +9,7 @@ import torch
 from conftest import build_tiny_checkpoint
 from safetensors.torch import load_file
 
-from jaxrunner.models.loader import load_model
+from jaxrunner.models.loading import load_model
 from jaxrunner.models.loading.hf import (
     CheckpointFormatError,
     SafetensorsTensors,

@@ -510,7 +510,7 @@ def test_resolve_impl():
     assert kernels.resolve_impl("auto", "tpu", head_dim=128) == "jax_tpu"
     impl, why = kernels.choose_impl("auto", "tpu", head_dim=64)  # jax's TPU kernel: D % 128 == 0
     assert impl == "pallas" and "64" in why
-    for impl in kernels.IMPLS:
+    for impl in kernels.ATTENTION_IMPLS:
         assert kernels.resolve_impl(impl, "tpu") == impl
     with pytest.raises(ValueError):
         kernels.resolve_impl("triton")

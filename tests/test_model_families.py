@@ -25,7 +25,7 @@ from jaxrunner import SamplingParams
 from jaxrunner.models import registry
 from jaxrunner.models.attention import AttentionMetadata, DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
-from jaxrunner.models.loader import load_model
+from jaxrunner.models.loading import load_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

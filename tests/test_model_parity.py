@@ -7,10 +7,10 @@ import pytest
 
 from conftest import TINY_FAMILIES, build_tiny_checkpoint
 from engine_helpers import make_llm, random_prompts, token_ids
-from jaxrunner import SamplingParams
+from jaxrunner import SamplingParams, kernels
 from jaxrunner.models import llama
 from jaxrunner.models.attention import DenseAttention
-from jaxrunner.models.loader import load_model
+from jaxrunner.models.loading import load_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,12 +22,12 @@ def hf_logits(model_dir: str, ids: np.ndarray, dtype=torch.float32) -> np.ndarra
         return model(torch.tensor(ids)[None]).logits[0].float().numpy()
 
 
-def our_logits(model_dir: str, ids: np.ndarray, dtype: str, rows=None) -> np.ndarray:
+def our_logits(model_dir: str, ids: np.ndarray, dtype: str, rows=None, matmuls=kernels.XLA_MATMULS) -> np.ndarray:
     loaded = load_model(model_dir, dtype, progress=False)
     cfg = loaded.config
     hidden, _ = llama.forward(loaded.params, cfg, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
-                              jnp.zeros(len(ids), jnp.int32), DenseAttention(), rows=rows)
-    return np.asarray(llama.compute_logits(loaded.params, cfg, hidden))
+                              jnp.zeros(len(ids), jnp.int32), DenseAttention(), rows=rows, matmuls=matmuls)
+    return np.asarray(llama.compute_logits(loaded.params, cfg, hidden, matmuls=matmuls))
 
 
 @pytest.mark.parametrize("rows", [[0], [3, 11, 11], [11, 2]])
@@ -60,17 +60,17 @@ def test_bfloat16_logits_close_to_transformers(tiny_checkpoints, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_bfloat16_one_token_logits_close_to_transformers(tiny_checkpoints, family, monkeypatch):
     """One token makes every projection one row, which on one CPU device the native bf16 matmul
-    computes (where it was built): a decode step's path, against transformers in bfloat16."""
-    from jaxrunner.kernels import native
-
+    computes (where it was built): a decode step's path, with the matmul choice the runner makes
+    here, against transformers in bfloat16."""
+    here = kernels.capabilities()
     calls = []
-    kernel = native.small_matmul_native
-    monkeypatch.setattr(native, "small_matmul_native", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = kernels.small_matmul_native
+    monkeypatch.setattr(kernels, "small_matmul_native", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     ids = np.array([123])
     ref = hf_logits(tiny_checkpoints[family], ids, torch.bfloat16)
-    ours = our_logits(tiny_checkpoints[family], ids, "bfloat16")
+    ours = our_logits(tiny_checkpoints[family], ids, "bfloat16", matmuls=here.matmuls)
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 3e-2
-    assert bool(calls) == native.available()
+    assert bool(calls) == (here.native_cpu is None)
 
 
 def test_tied_embeddings(tmp_path):

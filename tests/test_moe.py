@@ -151,7 +151,7 @@ def test_moe_logits_match_transformers(moe_checkpoints, family, dtype, tolerance
     expert for a token now and then (transformers itself routes one of these 48 tokens differently
     in bfloat16 than in float32), so one row in 24 may miss."""
     from jaxrunner.models.attention import DenseAttention
-    from jaxrunner.models.loader import load_model
+    from jaxrunner.models.loading import load_model
 
     ids = np.random.default_rng(3).integers(3, 512, 48)
     model = transformers.AutoModelForCausalLM.from_pretrained(moe_checkpoints[family], dtype=getattr(torch, dtype))

@@ -8,11 +8,14 @@ sum |x| |w|. The XLA path dequantizes to x's dtype first, so with bf16 activatio
 rounded to bf16 too (one bf16 ulp of each weight)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrunner import kernels
 from jaxrunner.kernels import native
 from jaxrunner.kernels.testing import lowering_context
 from jaxrunner.models import linear, quant
@@ -49,9 +52,13 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
 
 @pytest.mark.parametrize("fmt,group", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_xla_path_matches_float64_oracle(fmt, group, dtype):
+@pytest.mark.parametrize("where", ["here", "xla"])
+def test_xla_path_matches_float64_oracle(fmt, group, dtype, where):
+    """More rows than the kernel takes: XLA's dot, its weight unpacked by the native kernel (float32
+    rows where the native matmuls are chosen, as on this host) or by XLA."""
+    matmuls = kernels.capabilities().matmuls if where == "here" else kernels.XLA_MATMULS
     x, w, leaf = _case(fmt, group, linear.NATIVE_QUANT_ROWS + 3, dtype, seed=1)  # more rows than the kernel takes
-    got = np.asarray(jax.jit(linear.weight_only_matmul)(x, w))
+    got = np.asarray(jax.jit(functools.partial(linear.weight_only_matmul, matmuls=matmuls))(x, w))
     want, magnitude = _oracle(x, leaf)
     weight_rounding = 0.0 if dtype == jnp.float32 else 2.0 ** -8
     bound = (4 * x.shape[1] * np.finfo(np.float32).eps + weight_rounding) * magnitude + 1e-30
@@ -64,16 +71,21 @@ def _native_calls(fn, *args) -> int:
 
 @needs_native
 def test_few_rows_go_to_the_kernel_and_more_to_xla():
+    here = kernels.capabilities().matmuls  # one CPU device in this process: the native kernel
+    assert here.weight_only == "native"
+    linear_f32 = functools.partial(linear.linear_f32, matmuls=here)
     x, w, _ = _case("int4", 32, 4, jnp.float32)
-    assert _native_calls(linear.linear_f32, x[:1], w) == 1
-    assert _native_calls(linear.linear_f32, x, w) == 1
-    assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 4), w) == 1
-    assert _native_calls(linear.linear_f32, jnp.concatenate([x] * 5), w) == 0
+    assert _native_calls(linear_f32, x[:1], w) == 1
+    assert _native_calls(linear_f32, x, w) == 1
+    assert _native_calls(linear_f32, jnp.concatenate([x] * 4), w) == 1
+    assert _native_calls(linear_f32, jnp.concatenate([x] * 5), w) == 0
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
-    assert jax.jit(linear.linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
-    assert jax.jit(linear.linear_f32).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0
-    assert _native_calls(linear.linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
-                                                        "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
+    assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
+    assert jax.jit(linear_f32).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0
+    assert _native_calls(linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
+                                                  "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
+    several = kernels.capabilities("cpu", device_count=2).matmuls  # sharded or replicated: XLA only
+    assert jax.jit(functools.partial(linear.linear_f32, matmuls=several)).lower(x, w).as_text().count("custom_call") == 0
 
 
 @needs_native
@@ -104,7 +116,10 @@ def test_xla_path_lowers_for_gpu_and_tpu(platform, fmt, group):
     """Accelerators take the XLA path: dequantize (int ops and a multiply-add) then one dot with
     float32 accumulation; no host kernel in the program."""
     x, w, _ = _case(fmt, group, 32, jnp.bfloat16)  # more rows than the CPU kernel takes on this host
+    matmuls = kernels.capabilities(platform).matmuls
+    assert matmuls == kernels.XLA_MATMULS
     with lowering_context(platform):
-        text = jax.jit(linear.linear_f32).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+        text = jax.jit(functools.partial(linear.linear_f32, matmuls=matmuls)).trace(x, w).lower(
+            lowering_platforms=(platform,)).as_text()
     assert "dot_general" in text and "custom_call" not in text
     assert ("ui8" if fmt == "int4" else "i8") in text

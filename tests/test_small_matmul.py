@@ -7,11 +7,14 @@ below one bf16 ulp of the result.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrunner import kernels
 from jaxrunner.kernels import native
 from jaxrunner.models import linear as quant_linear
 
@@ -89,18 +92,26 @@ def _native_calls(fn, *args) -> int:
 
 def test_model_routes_one_row_products_only():
     """The model's matmuls use the kernel for one row on one CPU device (a batch-1 decode, the LM
-    head of one sequence), bf16 or float32; multi-row and mixed-dtype products stay with XLA."""
+    head of one sequence), bf16 or float32; multi-row and mixed-dtype products stay with XLA, and so
+    does everything on several devices."""
+    here = kernels.capabilities().matmuls  # what the runner hands the model in this one-CPU process
+    assert here.one_row == "native"
+    matmul = functools.partial(quant_linear.matmul_f32_acc, matmuls=here)
+    linear_f32 = functools.partial(quant_linear.linear_f32, matmuls=here)
     rng = np.random.default_rng(1)
     w, embed = _normal(rng, (64, 96)), _normal(rng, (256, 64))
     one, four = _normal(rng, (1, 64)), _normal(rng, (4, 64))
-    assert _native_calls(quant_linear.matmul_f32_acc, one, w) == 1
-    assert _native_calls(lambda x, e: quant_linear.matmul_f32_acc(x, e, contract=(-1, 1)), one, embed) == 1
-    assert _native_calls(quant_linear.matmul_f32_acc, four, w) == 0
-    assert _native_calls(quant_linear.matmul_f32_acc, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
-    assert _native_calls(quant_linear.linear_f32, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
-    assert _native_calls(quant_linear.linear_f32, one.astype(jnp.float32), w) == 0
+    assert _native_calls(matmul, one, w) == 1
+    assert _native_calls(lambda x, e: matmul(x, e, contract=(-1, 1)), one, embed) == 1
+    assert _native_calls(matmul, four, w) == 0
+    assert _native_calls(matmul, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
+    assert _native_calls(linear_f32, one.astype(jnp.float32), w.astype(jnp.float32)) == 1
+    assert _native_calls(linear_f32, one.astype(jnp.float32), w) == 0
+    several = kernels.capabilities("cpu", device_count=2).matmuls
+    assert several.one_row == "xla"
+    assert _native_calls(functools.partial(quant_linear.matmul_f32_acc, matmuls=several), one, w) == 0
     for x, weights, contract in ((one, w, (-1, 0)), (one, embed, (-1, 1)), (one.astype(jnp.float32), w.astype(jnp.float32), (-1, 0))):
-        got = quant_linear.matmul_f32_acc(x, weights, contract=contract)
+        got = matmul(x, weights, contract=contract)
         want = jax.lax.dot_general(x.astype(jnp.float32), weights.astype(jnp.float32),
                                    (((1,), (contract[1] % 2,)), ((), ())), precision="highest")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -2,7 +2,8 @@
 
 They follow ``models.llama``'s conventions: fused ``wqkv`` grouped by KV head and ``w_gate_up``
 interleaved (``models.params``), q/k/v kept in float32 up to the attention callable, the last layer
-cut to the sampled ``rows``. The Llama forward itself keeps its own code, so its numbers do not move.
+cut to the sampled ``rows``, the linear products run where the ``matmuls`` handed down say
+(``kernels.MatmulKernels``). The Llama forward itself keeps its own code, so its numbers do not move.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, theta: float | None = No
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
-def project_qkv(layer: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+def project_qkv(layer: dict, h: jax.Array, cfg: ModelConfig, matmuls) -> jax.Array:
     """``h @ wqkv (+ bqkv)`` as float32 [T, Hkv, G + 2, D]: each KV head's G queries, then k, then v."""
-    qkv = linear_f32(h, layer["wqkv"])
+    qkv = linear_f32(h, layer["wqkv"], matmuls)
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     group = cfg.num_heads // cfg.num_kv_heads
@@ -73,10 +74,10 @@ def attend(qkv: jax.Array, layer_cache, meta, cfg: ModelConfig, attention, *, sm
     return out.reshape(tokens, cfg.q_size), layer_cache
 
 
-def gated_mlp(layer: dict, h: jax.Array, cfg: ModelConfig, activation) -> jax.Array:
+def gated_mlp(layer: dict, h: jax.Array, cfg: ModelConfig, activation, matmuls) -> jax.Array:
     """``down(act(gate) * up)`` over the interleaved ``w_gate_up``, elementwise math in float32."""
-    gate_up = linear_f32(h, layer["w_gate_up"]).reshape(*h.shape[:-1], cfg.intermediate_size, 2)
-    return linear((activation(gate_up[..., 0]) * gate_up[..., 1]).astype(h.dtype), layer["w_down"])
+    gate_up = linear_f32(h, layer["w_gate_up"], matmuls).reshape(*h.shape[:-1], cfg.intermediate_size, 2)
+    return linear((activation(gate_up[..., 0]) * gate_up[..., 1]).astype(h.dtype), layer["w_down"], matmuls)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

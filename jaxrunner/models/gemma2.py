@@ -16,6 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxrunner import kernels
 from jaxrunner.models import blocks, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields, rope_scaling
 from jaxrunner.models.params import build_decoder_params, decoder_shapes, take
@@ -76,21 +77,22 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GemmaConfig:
 
 
 # ----------------------------------------------------------------------------- forward
-def _layer(layer, x, rope, window, layer_cache, meta, cfg: GemmaConfig, attention, rows):
+def _layer(layer, x, rope, window, layer_cache, meta, cfg: GemmaConfig, attention, rows, matmuls):
     norm, eps = blocks.offset_rms_norm, cfg.rms_norm_eps
-    qkv = blocks.project_qkv(layer, norm(x, layer["attn_norm"], eps), cfg)
+    qkv = blocks.project_qkv(layer, norm(x, layer["attn_norm"], eps), cfg, matmuls)
     if "q_norm" in layer:  # Gemma 3
         qkv = blocks.norm_qk(qkv, layer["q_norm"], layer["k_norm"], eps, norm=norm)
     out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, *rope), layer_cache, meta, cfg, attention,
                                      sm_scale=cfg.query_pre_attn_scalar ** -0.5, sliding_window=window,
                                      soft_cap=cfg.attn_logit_softcap)
     x, out = blocks.take_rows(rows, x, out)
-    x = x + norm(llama.linear(out.astype(x.dtype), layer["wo"]), layer["post_attn_norm"], eps)
-    h = blocks.gated_mlp(layer, norm(x, layer["mlp_norm"], eps), cfg, blocks.gelu_tanh)
+    x = x + norm(llama.linear(out.astype(x.dtype), layer["wo"], matmuls), layer["post_attn_norm"], eps)
+    h = blocks.gated_mlp(layer, norm(x, layer["mlp_norm"], eps), cfg, blocks.gelu_tanh, matmuls)
     return x + norm(h, layer["post_mlp_norm"], eps), layer_cache
 
 
-def forward(params, cfg: GemmaConfig, token_ids, positions, kv_cache, meta, attention, rows=None):
+def forward(params, cfg: GemmaConfig, token_ids, positions, kv_cache, meta, attention, rows=None, *,
+            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
     """As ``llama.forward``; sliding layers use ``local_rope_theta`` where the config has one."""
     x = jnp.take(params["embed"], token_ids, axis=0)
     x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
@@ -101,24 +103,25 @@ def forward(params, cfg: GemmaConfig, token_ids, positions, kv_cache, meta, atte
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
         window = cfg.layer_sliding_window(i)
         x, layer_cache = _layer(layer, x, global_rope if window is None else local_rope, window, layer_cache, meta,
-                                cfg, attention, rows if i == last else None)
+                                cfg, attention, rows if i == last else None, matmuls)
         new_cache.append(layer_cache)
     return blocks.offset_rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
 
-def compute_logits(params, cfg: GemmaConfig, hidden):
-    return blocks.soft_cap(llama.compute_logits(params, cfg, hidden), cfg.final_logit_softcap)
+def compute_logits(params, cfg: GemmaConfig, hidden, *, matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
+    return blocks.soft_cap(llama.compute_logits(params, cfg, hidden, matmuls=matmuls), cfg.final_logit_softcap)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmaArchitecture:
     cfg: GemmaConfig
+    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows)
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
 
     def compute_logits(self, params, hidden):
-        return compute_logits(params, self.cfg, hidden)
+        return compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
 
 
 # ----------------------------------------------------------------------------- params

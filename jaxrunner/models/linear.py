@@ -1,14 +1,19 @@
 """The linear layers' products: float weights, weight-only quantized ones (int8, int4) and
 ``"w8a8"`` ones, each routed to the native CPU kernel or to XLA. The formats are in
-``models/quant.py``."""
+``models/quant.py``.
+
+Where a product may run is decided once, at start-up, by the runner (``kernels.capabilities``) and
+handed down as a ``kernels.MatmulKernels`` (the ``matmuls`` argument): nothing here asks JAX about
+platforms or devices while the model is traced. Which products take the native kernel within that
+choice (rows, dtypes, shapes) is decided here, from the static shapes."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jaxrunner import kernels
 from jaxrunner.models import quant
 
-MIN_16BIT_ROWS = 4  # XLA:CPU's one-row 16-bit dot (a GEMV) is far slower than a 4-row one
 NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured slower than XLA at 4)
 # Rows the native quantized matmul takes. Up to 4 rows it streams the packed weights through
 # registers; up to 16 its tiled path still beat dequantize-then-dot in XLA, but a 128-row prefill
@@ -16,12 +21,12 @@ NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured s
 NATIVE_QUANT_ROWS = 16
 
 
-def linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
     """``x @ w`` in ``x``'s dtype: :func:`linear_f32` rounded back."""
-    return linear_f32(x, w).astype(x.dtype)
+    return linear_f32(x, w, matmuls).astype(x.dtype)
 
 
-def linear_f32(x: jax.Array, w) -> jax.Array:
+def linear_f32(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
     """``x @ w`` with a float32 result: the quantized paths for a quantized weight, float32
     accumulation for 16-bit operands, kept unrounded for the float32 math that follows (activation,
     RoPE).
@@ -32,43 +37,39 @@ def linear_f32(x: jax.Array, w) -> jax.Array:
     Float32 operands take the same route, so that one-row products reach the native kernel.
     """
     if quant.is_weight_only(w):
-        return weight_only_matmul(x, w)
+        return weight_only_matmul(x, w, matmuls)
     if isinstance(w, dict):
         return w8a8_matmul(x, w).astype(jnp.float32)
-    return matmul_f32_acc(x, w)
+    return matmul_f32_acc(x, w, matmuls)
 
 
-def weight_only_matmul(x: jax.Array, w: dict) -> jax.Array:
+def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) -> jax.Array:
     """``x`` [..., K] times a weight-only leaf ([N, K] orientation), float32 result.
 
-    On one CPU device, up to ``NATIVE_QUANT_ROWS`` rows go to the native kernel, which unpacks the
-    weights in registers and reads each byte once (a batch-1 decode streams the whole model per
-    token, so bytes are time; a batch of decodes likewise). More rows go to XLA's dot with float32
-    accumulation, the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own
-    unpacking fusion was several times slower), by XLA in ``x``'s dtype otherwise."""
+    With the native weight-only kernel (``matmuls.weight_only``: one CPU device), up to
+    ``NATIVE_QUANT_ROWS`` rows go to it: it unpacks the weights in registers and reads each byte
+    once (a batch-1 decode streams the whole model per token, so bytes are time; a batch of decodes
+    likewise). More rows go to XLA's dot with float32 accumulation, the weight dequantized first:
+    by the native kernel for float32 ``x`` (XLA's own unpacking fusion was several times slower),
+    by XLA in ``x``'s dtype otherwise."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    native_path = _native_quant_path(x2, w)
+    native_path = _native_quant_path(x2, w, matmuls)
     if native_path == "matmul":
-        from jaxrunner.kernels import native
-        out = native.quantized_matmul_native(x2, w)
+        out = kernels.quantized_matmul_native(x2, w)
     else:
         if native_path == "dequantize":
-            from jaxrunner.kernels import native
-            dense = native.dequantize_native(w, after=x2)
+            dense = kernels.dequantize_native(w, after=x2)
         else:
             dense = quant.dequantize(w, x.dtype)
         out = jax.lax.dot_general(x2, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return out.reshape(*lead, out.shape[-1])
 
 
-def _native_quant_path(x: jax.Array, w: dict) -> str | None:
+def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) -> str | None:
     """"matmul" (the native kernel does the product), "dequantize" (it unpacks a float32 weight
-    for XLA's dot: many float32 rows) or None (XLA alone: other backends, several devices, bf16)."""
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return None
-    from jaxrunner.kernels import native
-    if not native.quantized_matmul_supported(x, w) or not native.available():
+    for XLA's dot: many float32 rows) or None (XLA alone: the XLA choice, shapes, bf16 rows)."""
+    if matmuls.weight_only != "native" or not kernels.quantized_matmul_supported(x, w):
         return None
     if x.shape[0] <= NATIVE_QUANT_ROWS:
         return "matmul"
@@ -82,42 +83,37 @@ def w8a8_matmul(x: jax.Array, w: dict[str, jax.Array], guard: bool = True) -> ja
     return (acc.astype(jnp.float32) * x_scale * w["scale"]).astype(x.dtype)
 
 
-def matmul_f32_acc(x: jax.Array, w: jax.Array, contract: tuple[int, int] = (-1, 0)) -> jax.Array:
+def matmul_f32_acc(x: jax.Array, w: jax.Array, matmuls: kernels.MatmulKernels,
+                   contract: tuple[int, int] = (-1, 0)) -> jax.Array:
     """``x`` [rows, ...] contracted with ``w`` over (x's ``contract[0]``, w's ``contract[1]``),
     float32 result.
 
-    On one CPU device a one-row ``x`` and ``w``, both bf16 or both float32, go to the native kernel
-    (``jaxrunner.kernels.native.small_matmul_native``), which streams each weight once: a batch-1
-    decode reads every weight per token. XLA:CPU read bf16 weights at ~9 GB/s against ~22 for the
-    kernel on the largest projection ([576, 3072]: 398 vs 160 us per call), and float32 ones at
-    ~19 GB/s over a token (batch-1 float32 TPOT 28.7 -> 23.8-25.7 ms through the kernel, medians of
-    alternating runs). Other 16-bit ``x`` with fewer than ``MIN_16BIT_ROWS`` rows are padded to that
-    many: XLA:CPU routes a one-row bf16 dot to a GEMV that measured 9x slower than the same dot with
-    four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms)."""
+    With the native one-row matmul (``matmuls.one_row``: one CPU device), a one-row ``x`` and ``w``,
+    both bf16 or both float32, go to the kernel (``kernels.small_matmul_native``), which streams
+    each weight once: a batch-1 decode reads every weight per token. XLA:CPU read bf16 weights at
+    ~9 GB/s against ~22 for the kernel on the largest projection ([576, 3072]: 398 vs 160 us per
+    call), and float32 ones at ~19 GB/s over a token (batch-1 float32 TPOT 28.7 -> 23.8-25.7 ms
+    through the kernel, medians of alternating runs). Other 16-bit ``x`` with fewer than
+    ``matmuls.min_16bit_rows`` rows are padded to that many (XLA:CPU routes a one-row bf16 dot to
+    a slow GEMV; see ``kernels.capabilities``)."""
     dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
-    native_layout = _native_matmul_layout(x, w, dims)
+    native_layout = _native_matmul_layout(x, w, dims, matmuls)
     if native_layout is not None:
-        from jaxrunner.kernels import native
-        return native.small_matmul_native(x, w, transposed=native_layout)
+        return kernels.small_matmul_native(x, w, transposed=native_layout)
     rows = x.shape[0]
-    pad = (x.ndim == 2 and dims[0][0][0] == 1 and rows < MIN_16BIT_ROWS and x.dtype != jnp.float32
-           and jax.default_backend() == "cpu")
+    pad = (x.ndim == 2 and dims[0][0][0] == 1 and rows < matmuls.min_16bit_rows and x.dtype != jnp.float32)
     if pad:
-        x = jnp.pad(x, ((0, MIN_16BIT_ROWS - rows), (0, 0)))
+        x = jnp.pad(x, ((0, matmuls.min_16bit_rows - rows), (0, 0)))
     out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
     return out[:rows] if pad else out
 
 
-def _native_matmul_layout(x, w, dims) -> bool | None:
+def _native_matmul_layout(x, w, dims, matmuls: kernels.MatmulKernels) -> bool | None:
     """Whether ``w`` is [N, K] (True) or [K, N] (False) when the native CPU matmul takes this
-    product; None when it does not (other backends, sharded runs over several devices, shapes,
-    dtypes, or no C++ compiler)."""
+    product; None when it does not (the XLA choice, shapes or dtypes)."""
+    if matmuls.one_row != "native":
+        return None
     if x.ndim != 2 or w.ndim != 2 or dims[0][0] != (1,) or x.shape[0] > NATIVE_MATMUL_ROWS:
         return None
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return None
-    from jaxrunner.kernels import native
     transposed = dims[0][1] == (1,)
-    if not native.small_matmul_supported(x, w, transposed) or not native.available():
-        return None
-    return transposed
+    return transposed if kernels.small_matmul_supported(x, w, transposed) else None

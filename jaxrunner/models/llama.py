@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner import kernels
 from jaxrunner.models import registry
 from jaxrunner.models.config import (ModelConfig, UnsupportedModelError, check_activation, common_fields,
                                      rope_scaling)
@@ -86,7 +87,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos.reshape(shape) + rotated * sin.reshape(shape)
 
 
-def _attend(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
+def _attend(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention, matmuls):
     """The attention half of a layer up to (not including) the output projection: returns the
     attention output [T, Hq*Dh] and the new layer cache.
 
@@ -95,7 +96,7 @@ def _attend(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
     prefill); the attention callable casts them to its cache's dtype."""
     tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = linear_f32(h, layer["wqkv"])
+    qkv = linear_f32(h, layer["wqkv"], matmuls)
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     group = cfg.num_heads // cfg.num_kv_heads
@@ -109,39 +110,40 @@ def _attend(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
     return out.reshape(tokens, cfg.q_size), layer_cache
 
 
-def _layer_tail(layer, x, attended, cfg: ModelConfig):
+def _layer_tail(layer, x, attended, cfg: ModelConfig, matmuls):
     """The rest of a layer: output projection and residual, then the MLP."""
-    return _mlp_block(layer, x + linear(attended.astype(x.dtype), layer["wo"]), cfg)
+    return _mlp_block(layer, x + linear(attended.astype(x.dtype), layer["wo"], matmuls), cfg, matmuls)
 
 
-def _last_layer_tail(layer, x, attended, cfg: ModelConfig, rows, all_rows):
+def _last_layer_tail(layer, x, attended, cfg: ModelConfig, matmuls, rows, all_rows):
     """The last layer's tail on the sampled ``rows`` only; with ``all_rows`` (a traced bool), on
     every row when it holds, returning those hidden states too (zeros when it does not)."""
     def sampled_only(operands):
         x, attended = operands
-        return _layer_tail(layer, jnp.take(x, rows, axis=0), jnp.take(attended, rows, axis=0), cfg)
+        return _layer_tail(layer, jnp.take(x, rows, axis=0), jnp.take(attended, rows, axis=0), cfg, matmuls)
 
     if all_rows is None:
         return sampled_only((x, attended)), None
 
     def every_row(operands):
-        full = _layer_tail(layer, *operands, cfg)
+        full = _layer_tail(layer, *operands, cfg, matmuls)
         return jnp.take(full, rows, axis=0), full
 
     return jax.lax.cond(all_rows, every_row, lambda ops: (sampled_only(ops), jnp.zeros_like(ops[0])),
                         (x, attended))
 
 
-def _mlp_block(layer, x, cfg: ModelConfig):
+def _mlp_block(layer, x, cfg: ModelConfig, matmuls):
     """SiLU(gate) * up in float32 from the float32-accumulated projection, rounded once for the
     down projection (bf16 elementwise math measured ~11 ms of converts per bf16 prefill)."""
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = linear_f32(h, layer["w_gate_up"]).reshape(*h.shape[:-1], cfg.intermediate_size, 2)  # interleaved
+    gate_up = linear_f32(h, layer["w_gate_up"], matmuls).reshape(*h.shape[:-1], cfg.intermediate_size, 2)  # interleaved
     gate, up = gate_up[..., 0], gate_up[..., 1]
-    return x + linear((jax.nn.silu(gate) * up).astype(x.dtype), layer["w_down"])
+    return x + linear((jax.nn.silu(gate) * up).astype(x.dtype), layer["w_down"], matmuls)
 
 
-def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None):
+def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None, *,
+            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
     """Run the decoder on packed tokens [T]; returns final hidden states and the new cache.
 
     ``kv_cache`` is a list with one entry per layer (whatever the attention callable keeps there;
@@ -154,6 +156,9 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     ``all_rows`` (a traced bool, with ``rows``): when it holds, the last layer also runs on every
     row, and a third result holds all rows' final hidden states [T, D] (zeros when it does not) —
     what prompt logprobs need, paid only by the steps that ask for them.
+
+    ``matmuls``: where the linear products run (``kernels.capabilities().matmuls``, chosen by the
+    runner at start-up); the default, XLA's dot, runs anywhere.
     """
     x = embedding_rows(params, token_ids)
     cos, sin = rope_tables(cfg, positions)
@@ -162,10 +167,10 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
     every_row = None
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
         if i == last and rows is not None:
-            attended, layer_cache = _attend(layer, x, cos, sin, layer_cache, meta, cfg, attention)
-            x, every_row = _last_layer_tail(layer, x, attended, cfg, rows, all_rows)
+            attended, layer_cache = _attend(layer, x, cos, sin, layer_cache, meta, cfg, attention, matmuls)
+            x, every_row = _last_layer_tail(layer, x, attended, cfg, matmuls, rows, all_rows)
         else:
-            x, layer_cache = _traced_once_layer(layer, x, cos, sin, layer_cache, meta, cfg, attention)
+            x, layer_cache = _traced_once_layer(layer, x, cos, sin, layer_cache, meta, cfg, attention, matmuls)
         new_cache.append(layer_cache)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if all_rows is None or rows is None:
@@ -181,37 +186,41 @@ def embedding_rows(params, token_ids) -> jax.Array:
     return jnp.take(params["embed"], token_ids, axis=0)
 
 
-def _decoder_layer(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention):
-    attended, layer_cache = _attend(layer, x, cos, sin, layer_cache, meta, cfg, attention)
-    return _layer_tail(layer, x, attended, cfg), layer_cache
+def _decoder_layer(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention, matmuls):
+    attended, layer_cache = _attend(layer, x, cos, sin, layer_cache, meta, cfg, attention, matmuls)
+    return _layer_tail(layer, x, attended, cfg, matmuls), layer_cache
 
 
 # Every layer but the last has the same shapes, so as a nested jit it is traced and lowered once per
 # step shape instead of once per layer (start-up's Python work per bucket falls by about half); XLA
 # inlines the calls before optimizing, so the compiled step is the same unrolled program.
-_traced_once_layer = jax.jit(_decoder_layer, static_argnames=("cfg", "attention"))
+_traced_once_layer = jax.jit(_decoder_layer, static_argnames=("cfg", "attention", "matmuls"))
 
 
-def compute_logits(params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+def compute_logits(params, cfg: ModelConfig, hidden: jax.Array, *,
+                   matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS) -> jax.Array:
     """Float32 logits [N, V] for the hidden rows that are sampled (not every prefill token)."""
     if cfg.tie_word_embeddings:
         if quant.is_weight_only(params["embed"]):  # [V, D] is the [N, K] orientation already
-            return weight_only_matmul(hidden, params["embed"])
-        return matmul_f32_acc(hidden, params["embed"], contract=(-1, 1))
-    return matmul_f32_acc(hidden, params["lm_head"])
+            return weight_only_matmul(hidden, params["embed"], matmuls)
+        return matmul_f32_acc(hidden, params["embed"], matmuls, contract=(-1, 1))
+    return matmul_f32_acc(hidden, params["lm_head"], matmuls)
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaArchitecture:
-    """The Llama-family functions the runner calls, bound to one config."""
+    """The Llama-family functions the runner calls, bound to one config and to where its linear
+    products run."""
 
     cfg: ModelConfig
+    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, all_rows)
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, all_rows,
+                       matmuls=self.matmuls)
 
     def compute_logits(self, params, hidden):
-        return compute_logits(params, self.cfg, hidden)
+        return compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
 
 
 # ----------------------------------------------------------------------------- config

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxrunner import kernels
 from jaxrunner.models import blocks, moe
 from jaxrunner.models.attention import AttentionMetadata, DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
@@ -46,16 +47,16 @@ def check_experts(cfg: MoEConfig, source: str) -> None:
 
 
 # ----------------------------------------------------------------------------- forward
-def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: MoEConfig, attention, rows=None):
+def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: MoEConfig, attention, rows, matmuls):
     """Llama's attention, with Qwen3's per-head q/k RMSNorm before RoPE when the config has it."""
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = blocks.project_qkv(layer, h, cfg)
+    qkv = blocks.project_qkv(layer, h, cfg, matmuls)
     if cfg.qk_norm:
         qkv = blocks.norm_qk(qkv, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
     out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, cos, sin), layer_cache, meta, cfg, attention,
                                      sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
     x, out = blocks.take_rows(rows, x, out)
-    return x + linear(out.astype(x.dtype), layer["wo"]), layer_cache
+    return x + linear(out.astype(x.dtype), layer["wo"], matmuls), layer_cache
 
 
 def token_mask(meta, num_rows: int):
@@ -64,7 +65,8 @@ def token_mask(meta, num_rows: int):
     return meta.token_mask(num_rows) if isinstance(meta, AttentionMetadata) else None
 
 
-def forward(params, cfg: MoEConfig, token_ids, positions, kv_cache, meta, attention, rows=None, loads=None):
+def forward(params, cfg: MoEConfig, token_ids, positions, kv_cache, meta, attention, rows=None, loads=None, *,
+            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
     """As ``models.llama.forward``, with MoE MLPs. ``loads``: a list that receives each layer's
     expert counts [E] (the start-up report's probe; the served step passes none)."""
     x = jnp.take(params["embed"], token_ids, axis=0)
@@ -75,7 +77,7 @@ def forward(params, cfg: MoEConfig, token_ids, positions, kv_cache, meta, attent
     last = len(params["layers"]) - 1
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
         layer_rows = rows if i == last else None
-        x, layer_cache = _attention_block(layer, x, cos, sin, layer_cache, meta, cfg, attention, layer_rows)
+        x, layer_cache = _attention_block(layer, x, cos, sin, layer_cache, meta, cfg, attention, layer_rows, matmuls)
         row_valid = valid if valid is None or layer_rows is None else jnp.take(valid, layer_rows)
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         if loads is not None:
@@ -91,12 +93,13 @@ class MoEArchitecture:
     """The MoE decoder's functions the runner calls, bound to one config."""
 
     cfg: MoEConfig
+    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows)
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
 
     def compute_logits(self, params, hidden):
-        return compute_logits(params, self.cfg, hidden)
+        return compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
 
     def expert_load(self, params, token_ids, positions, segment_ids, num_tokens):
         """Expert counts [layers, E] of the first ``num_tokens`` rows (the rest are padding), with
@@ -106,7 +109,7 @@ class MoEArchitecture:
         cache = [None] * self.cfg.num_layers
         meta = _live_rows_metadata(token_ids.shape[0], num_tokens)
         attention = _SegmentAttention(segment_ids)
-        forward(params, self.cfg, token_ids, positions, cache, meta, attention, None, loads)
+        forward(params, self.cfg, token_ids, positions, cache, meta, attention, None, loads, matmuls=self.matmuls)
         return jnp.stack(loads)
 
 

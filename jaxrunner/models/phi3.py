@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner import kernels
 from jaxrunner.models import blocks, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields
 from jaxrunner.models.params import build_decoder_params, group_qkv, take
@@ -91,23 +92,24 @@ def rope_tables(cfg: Phi3Config, positions):
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
-def _layer(layer, x, rope, layer_cache, meta, cfg: Phi3Config, attention, rows):
+def _layer(layer, x, rope, layer_cache, meta, cfg: Phi3Config, attention, rows, matmuls):
     h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = blocks.rotate_qk(blocks.project_qkv(layer, h, cfg), *rope)
+    qkv = blocks.rotate_qk(blocks.project_qkv(layer, h, cfg, matmuls), *rope)
     out, layer_cache = blocks.attend(qkv, layer_cache, meta, cfg, attention, sm_scale=cfg.head_dim ** -0.5,
                                      sliding_window=cfg.sliding_window)
     x, out = blocks.take_rows(rows, x, out)
-    x = x + llama.linear(out.astype(x.dtype), layer["wo"])
+    x = x + llama.linear(out.astype(x.dtype), layer["wo"], matmuls)
     h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu), layer_cache
+    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu, matmuls), layer_cache
 
 
-def forward(params, cfg: Phi3Config, token_ids, positions, kv_cache, meta, attention, rows=None):
+def forward(params, cfg: Phi3Config, token_ids, positions, kv_cache, meta, attention, rows=None, *,
+            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
     x = jnp.take(params["embed"], token_ids, axis=0)
     rope = rope_tables(cfg, positions)
     new_cache, last = [], len(params["layers"]) - 1
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        x, layer_cache = _layer(layer, x, rope, layer_cache, meta, cfg, attention, rows if i == last else None)
+        x, layer_cache = _layer(layer, x, rope, layer_cache, meta, cfg, attention, rows if i == last else None, matmuls)
         new_cache.append(layer_cache)
     return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
@@ -115,12 +117,13 @@ def forward(params, cfg: Phi3Config, token_ids, positions, kv_cache, meta, atten
 @dataclasses.dataclass(frozen=True)
 class Phi3Architecture:
     cfg: Phi3Config
+    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows)
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
 
     def compute_logits(self, params, hidden):
-        return llama.compute_logits(params, self.cfg, hidden)
+        return llama.compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
 
 
 def _layer_params(state, cfg: Phi3Config, i: int, source: str) -> dict:

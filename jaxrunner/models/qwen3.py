@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrunner import kernels
 from jaxrunner.models import blocks, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields, rope_scaling
 from jaxrunner.models.params import build_decoder_params, take
@@ -26,23 +27,26 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     return ModelConfig(**common_fields(cfg, source), rope_scaling=rope_scaling(cfg, source))
 
 
-def _layer(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention, rows):
+def _layer(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention, rows, matmuls):
     h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = blocks.norm_qk(blocks.project_qkv(layer, h, cfg), layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
+    qkv = blocks.norm_qk(blocks.project_qkv(layer, h, cfg, matmuls), layer["q_norm"], layer["k_norm"],
+                         cfg.rms_norm_eps)
     out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, cos, sin), layer_cache, meta, cfg, attention,
                                      sm_scale=cfg.head_dim ** -0.5, sliding_window=None)
     x, out = blocks.take_rows(rows, x, out)
-    x = x + llama.linear(out.astype(x.dtype), layer["wo"])
+    x = x + llama.linear(out.astype(x.dtype), layer["wo"], matmuls)
     h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu), layer_cache
+    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu, matmuls), layer_cache
 
 
-def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None):
+def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None, *,
+            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
     x = jnp.take(params["embed"], token_ids, axis=0)
     cos, sin = blocks.rope_tables(cfg, positions)
     new_cache, last = [], len(params["layers"]) - 1
     for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        x, layer_cache = _layer(layer, x, cos, sin, layer_cache, meta, cfg, attention, rows if i == last else None)
+        x, layer_cache = _layer(layer, x, cos, sin, layer_cache, meta, cfg, attention, rows if i == last else None,
+                                matmuls)
         new_cache.append(layer_cache)
     return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
 
@@ -50,12 +54,13 @@ def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, atte
 @dataclasses.dataclass(frozen=True)
 class Qwen3Architecture:
     cfg: ModelConfig
+    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows)
+        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
 
     def compute_logits(self, params, hidden):
-        return llama.compute_logits(params, self.cfg, hidden)
+        return llama.compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
 
 
 def _layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict:

@@ -29,9 +29,10 @@ class ModelFamily:
 
     - ``config_from_hf(hf_dict, source) -> ModelConfig`` (the family's subclass, with its own
       fields); raises :class:`UnsupportedModelError` on options it does not implement.
-    - ``architecture(cfg)``: an object with ``forward(params, token_ids, positions, kv_cache, meta,
-      attention, rows=None)`` and ``compute_logits(params, hidden)``, pure over the paged cache;
-      ``meta`` (the step's ``models.attention.AttentionMetadata``) goes to ``attention`` untouched.
+    - ``architecture(cfg, matmuls)``: an object with ``forward(params, token_ids, positions, kv_cache,
+      meta, attention, rows=None)`` and ``compute_logits(params, hidden)``, pure over the paged cache;
+      ``meta`` (the step's ``models.attention.AttentionMetadata``) goes to ``attention`` untouched, and
+      its linear products run where ``matmuls`` (a ``kernels.MatmulKernels``) says.
     - ``build_params(state, cfg, place, source, progress)``: HF-named state dict → params pytree,
       each piece handed to ``place`` as soon as it is built (see ``models.params.build_params``).
     - ``param_shapes(cfg)``: the shape of every leaf ``build_params`` makes.
@@ -49,7 +50,7 @@ class ModelFamily:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     config_from_hf: Callable[[dict, str], ModelConfig]
-    architecture: Callable[[ModelConfig], Any]
+    architecture: Callable[[ModelConfig, Any], Any]
     build_params: Callable[..., dict]
     param_shapes: Callable[[ModelConfig], dict]
     partition_rules: Callable[[ModelConfig, int], Mapping[str, Any]]
@@ -114,6 +115,9 @@ def config_from_hf(hf_config: dict, source: str = "config.json") -> ModelConfig:
     return family_for_hf_config(hf_config, source).config_from_hf(hf_config, source)
 
 
-def architecture_for(cfg: ModelConfig):
-    """The ``forward``/``compute_logits`` object of ``cfg``'s family, bound to ``cfg``."""
-    return family_for_config(cfg).architecture(cfg)
+def architecture_for(cfg: ModelConfig, matmuls=None):
+    """The ``forward``/``compute_logits`` object of ``cfg``'s family, bound to ``cfg`` and to where its
+    linear products run: ``matmuls``, the runner's ``kernels.capabilities().matmuls`` (None: XLA's
+    dot, which runs anywhere)."""
+    family = family_for_config(cfg)
+    return family.architecture(cfg) if matmuls is None else family.architecture(cfg, matmuls)

@@ -12,7 +12,7 @@ import jax
 
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.engine import LLMEngine
-from jaxrunner.models.loader import LoadedModel, load_model
+from jaxrunner.models.loading import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_model
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
 from jaxrunner.runner.executor import Executor

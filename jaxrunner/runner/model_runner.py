@@ -164,19 +164,21 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str = "auto",
                  mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None):
         """``max_seqs_per_step``: the widest bucket's sequences (the length of the token feed);
-        ``architecture``: the model functions (default: ``cfg``'s registered family)."""
+        ``architecture``: the model functions (default: ``cfg``'s registered family, its linear
+        products where ``kernels.capabilities`` says they run on this platform)."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
         self.device = meshes.local_device(self.mesh)
         self.attention_impl = kernels.resolve_impl(attention_impl, self.device.platform, cfg.head_dim)
+        self.matmuls = kernels.capabilities(self.device.platform).matmuls  # where the model's products run
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
         param_shardings = sharding.param_shardings(params, self.mesh, cfg)
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool, pool)] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
-        architecture = architecture if architecture is not None else registry.architecture_for(cfg)
+        architecture = architecture if architecture is not None else registry.architecture_for(cfg, self.matmuls)
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
             self._jitted_step = jitted_step(architecture, attention)  # compile time (~10% measured)
         else:

@@ -18,7 +18,7 @@ from jaxrunner.config import EngineConfig
 from jaxrunner.runner.startup import default_kv_cache_dtype, resolve_max_model_len
 from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.loader import peek_model
+from jaxrunner.models.loading import peek_model
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner import memory
 from jaxrunner.runner.model_runner import KVCacheSpec

@@ -16,7 +16,7 @@ import jax
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.models import registry
-from jaxrunner.models.loader import LoadedModel
+from jaxrunner.models.loading import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
 from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
@@ -46,13 +46,14 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 
 
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
-    """The compute dtype, except bfloat16 on CPU without the native kernel: XLA:CPU cannot scatter
-    bfloat16 in place, so a bf16 page write converts the whole pool to f32 and back every layer
-    (measured 56 ms per write for 2 × 25 MB); a float32 pool is written in place. The native
-    kernel writes bf16 rows in place, and its attention then reads half the bytes."""
-    if platform == "cpu" and dtype == "bfloat16" and attention_impl != "native":
-        return "float32"
-    return dtype
+    """The compute dtype where ``attention_impl``'s page write updates such a pool in place
+    (``kernels.capabilities``), else float32, which every write does in place. Bfloat16 on CPU
+    without the native kernel is the case: XLA:CPU's bf16 scatter converts the whole pool to f32
+    and back every layer (measured 56 ms per write for 2 × 25 MB), while the native kernel writes
+    bf16 rows in place, and its attention then reads half the bytes."""
+    if kernels.capabilities(platform).writes_in_place(attention_impl, dtype):
+        return dtype
+    return "float32"
 
 
 def model_max_len(cfg) -> tuple[int, str]:
@@ -221,12 +222,7 @@ def _bucket_plan(config: EngineConfig, max_model_len: int) -> BucketPlan:
 
 def _native_kernel_status(platform: str) -> str:
     """"ready", "not used on <platform>", or why the native CPU kernel could not be built."""
-    if platform != "cpu":
-        return f"not used on {platform}"
-    from jaxrunner.kernels import native
-
-    reason = native.unavailable_reason()
-    return "ready" if reason is None else f"unavailable, XLA fallback in use: {reason}"
+    return kernels.capabilities(platform).native_cpu_status
 
 
 def _expert_load(config, runner, architecture, bucket, key, index, max_model_len, per_bucket) -> dict:

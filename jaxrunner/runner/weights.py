@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.loader import LoadedModel
+from jaxrunner.models.loading import LoadedModel
 from jaxrunner.models.loading.resolve import ModelSource
 from jaxrunner.models.params import param_shapes
 from jaxrunner.parallel import mesh as meshes, sharding
