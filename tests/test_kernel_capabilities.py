@@ -55,7 +55,7 @@ def test_capabilities_of_other_platforms_and_device_counts():
 
 
 def test_default_kv_cache_dtype_follows_the_capabilities():
-    from jaxrunner.engine.startup import default_kv_cache_dtype
+    from jaxrunner.runner.startup import default_kv_cache_dtype
 
     caps = kernels.capabilities()
     for impl in caps.attention_impls:

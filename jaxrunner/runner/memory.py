@@ -3,7 +3,7 @@
 The budget is the device's memory where the backend reports it, else the host's RAM (CPU). The
 pool takes what the weights (and, on accelerators, the largest bucket's activations) leave; a pool
 the user sized is refused, with the numbers, before anything is allocated. Nothing here imports
-JAX: ``engine/preflight.py`` runs these checks before any weight is read.
+JAX: ``runner/preflight.py`` runs these checks before any weight is read.
 """
 from __future__ import annotations
 
