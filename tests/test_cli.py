@@ -242,12 +242,14 @@ def _assert_percentiles(block: dict):
     assert block["p50"] <= block["p90"] <= block["p99"]
 
 
-@pytest.mark.slow
-@requires_smollm2
-def test_benchmark_throughput_vs_hf(tmp_path):
+# ----------------------------------------------------------------------------- the benchmark scripts
+# On a tiny checkpoint, except serving, which runs the real model.
+
+
+def test_benchmark_throughput_vs_hf(tiny_checkpoints, tmp_path):
     out = tmp_path / "tp.json"
-    proc = _ok(script("throughput", *TINY_WORKLOAD, *SMALL_ENGINE, "--compare", "hf", "--hf-batch-sizes", "2,4",
-                      "--hf-threads", "1", "--output-json", str(out)))
+    proc = _ok(script("throughput", "--model", tiny_checkpoints["llama"], *TINY_WORKLOAD, *SMALL_ENGINE,
+                      "--compare", "hf", "--hf-batch-sizes", "2,4", "--hf-threads", "1", "--output-json", str(out)))
     data = _read_json(out)
     assert data["benchmark"] == "throughput" and data["config"]["num_requests"] == 4
     results = data["results"]
@@ -261,12 +263,11 @@ def test_benchmark_throughput_vs_hf(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("hf_bs4")  # the table is printed last
 
 
-@pytest.mark.slow
-@requires_smollm2
-def test_benchmark_latency_vs_hf(tmp_path):
+def test_benchmark_latency_vs_hf(tiny_checkpoints, tmp_path):
     out = tmp_path / "lat.json"
-    _ok(script("latency", "--batch-sizes", "1,2", "--input-lens", "8", "--output-lens", "4", "--repetitions", "2",
-               *SMALL_ENGINE, "--compare", "hf", "--hf-threads", "1", "--output-json", str(out)))
+    _ok(script("latency", "--model", tiny_checkpoints["llama"], "--batch-sizes", "1,2", "--input-lens", "8",
+               "--output-lens", "4", "--repetitions", "2", *SMALL_ENGINE, "--compare", "hf", "--hf-threads", "1",
+               "--output-json", str(out)))
     data = _read_json(out)
     rows = data["results"]
     assert sorted((r["engine"], r["batch_size"]) for r in rows) == [("hf", 1), ("hf", 2), ("jaxrunner", 1),
@@ -306,12 +307,10 @@ def test_benchmark_serving_via_cli(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
-@pytest.mark.slow
-@requires_smollm2
-def test_benchmark_startup_cold_vs_cached(tmp_path):
+def test_benchmark_startup_cold_vs_cached(tiny_checkpoints, tmp_path):
     out = tmp_path / "st.json"
-    _ok(script("startup", *TINY_ENGINE, "--repeats", "1", "--input-len", "8", "--output-len", "4",
-               "--output-json", str(out)))
+    _ok(script("startup", "--model", tiny_checkpoints["llama"], *TINY_ENGINE, "--repeats", "1", "--input-len", "8",
+               "--output-len", "4", "--output-json", str(out)))
     data = _read_json(out)
     results = data["results"]
     assert set(results) == {"custom cold", "custom cached"}

@@ -238,6 +238,10 @@ def test_reset_prefix_cache(tiny_checkpoints):
 
 
 # ----------------------------------------------------------------------------- in someone else's process
+# A fresh process compiles from an empty cache: one bucket keeps that short.
+ONE_BUCKET = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=32, page_size=16)
+
+
 def test_user_jax_settings_are_kept_and_a_failing_native_build_is_reported_once(tiny_checkpoints, tmp_path):
     """In a fresh process: a compilation cache dir set in jax.config stays; a native kernel that
     cannot be built (CXX=/bin/false) is tried once, warned about once, and named in the report."""
@@ -247,7 +251,7 @@ def test_user_jax_settings_are_kept_and_a_failing_native_build_is_reported_once(
         jax.config.update("jax_compilation_cache_dir", {str(tmp_path / "users-cache")!r})
         from jaxrunner import LLM
         from jaxrunner.kernels import native
-        options = {dict(TINY_ENGINE, compilation_cache_dir=str(tmp_path / "ours"))!r}
+        options = {dict(TINY_ENGINE, compilation_cache_dir=str(tmp_path / "ours"), **ONE_BUCKET)!r}
         llm = LLM({tiny_checkpoints["llama"]!r}, **options)
         for _ in range(3):
             assert not native.available()
