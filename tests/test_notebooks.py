@@ -2,25 +2,21 @@
 
 Each loads the real SmolLM2 model and starts an engine, so they are marked slow. They share one
 persistent compilation cache with the CLI tests (JAXRUNNER_COMPILATION_CACHE, default
-``$TMPDIR/jaxrunner-test-xla-cache``, as in engine_helpers), so only the first run on a machine compiles from scratch.
+``$TMPDIR/jaxrunner-test-xla-cache``, set in conftest), so only the first run on a machine compiles from scratch.
 """
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from conftest import requires_smollm2
+from engine_helpers import COMPILE_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 900
-
-
-def shared_cache_dir() -> str:
-    return os.environ.get("JAXRUNNER_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache")
 
 
 def test_notebooks_exist_and_are_clean():
@@ -46,7 +42,7 @@ def test_notebook_executes(path, monkeypatch):
     pytest.importorskip("ipykernel")
     # The kernel inherits this process's environment.
     monkeypatch.setenv("JAXRUNNER_NOTEBOOK_SMALL", "1")
-    monkeypatch.setenv("JAXRUNNER_COMPILATION_CACHE", shared_cache_dir())
+    monkeypatch.setenv("JAXRUNNER_COMPILATION_CACHE", COMPILE_CACHE)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
