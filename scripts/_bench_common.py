@@ -619,6 +619,67 @@ def hf_generate(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int
                                  num_beams=1)
 
 
+# ----------------------------------------------------------------------------- vLLM, side by side
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-python", default=None,
+                        help="for --compare vllm: the python of a virtual environment holding vLLM (e.g. its CPU "
+                             "build), run in its own process on the same requests")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, default=4.0,
+                        help="for --compare vllm: its KV cache (VLLM_CPU_KVCACHE_SPACE, GiB; default 4)")
+
+
+def check_vllm_python(args) -> str:
+    """The peer interpreter, checked before the long start-up: it must exist and import vllm."""
+    import subprocess
+
+    path = args.vllm_python
+    if not path:
+        raise BenchError("--compare vllm needs --vllm-python PATH (the python of an environment with vLLM)")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise BenchError(f"--vllm-python {path!r}: not an executable file")
+    probe = subprocess.run([path, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        tail = (probe.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise BenchError(f"--vllm-python {path!r}: cannot import vllm ({tail[0]})")
+    return path
+
+
+def vllm_model_spec(args, options: dict) -> dict:
+    """What ``vllm_peer.py`` needs to load the benchmark's model with the same limits as jaxrunner's.
+
+    A GGUF model is converted once to a float HF directory under ``~/.cache/jaxrunner/peer-models``."""
+    directory, gguf = hf_model_files(args.model)
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxrunner",
+                         "peer-models")
+    convert_to = os.path.join(cache, os.path.splitext(gguf)[0] + "-float32") if gguf else None
+    engine = {"max_num_seqs": options["max_num_seqs"], "max_num_batched_tokens": options["max_num_batched_tokens"],
+              "max_model_len": options["max_model_len"], "enable_prefix_caching": options["enable_prefix_caching"],
+              "seed": options["seed"]}
+    return {"model_dir": directory, "gguf_file": gguf, "convert_to": convert_to, "dtype": options["dtype"],
+            "engine": engine, "kv_cache_gib": args.vllm_kv_cache_gib}
+
+
+def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: float | None = None) -> dict:
+    """Run ``vllm_peer.py`` with the peer's Python and return the JSON it writes ({"info", "result"})."""
+    import subprocess
+    import tempfile
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    with tempfile.TemporaryDirectory(prefix="jaxrunner-vllm-") as tmp:
+        spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump({**spec, "result": result_path}, f)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA"))}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        proc = subprocess.run([python, script, spec_path], env=env, stdout=None if progress else subprocess.DEVNULL,
+                              stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
+            raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {tail}")
+        with open(result_path, encoding="utf-8") as f:
+            return json.load(f)
+
+
 # ----------------------------------------------------------------------------- running a script
 def run_main(name: str, main, argv=None) -> int:
     """Call ``main(argv)``; a user error prints one line and returns 2."""

@@ -12,7 +12,9 @@ token − submission; percentiles are over every request of every repetition.
 transformers (``--compare hf``) runs the same batch as one static ``generate`` call: TTFT is the
 time of ``generate(max_new_tokens=1)``, end-to-end that of ``generate(max_new_tokens=n)``, TPOT =
 (e2e − TTFT) / (n − 1); percentiles are over repetitions. It runs in its own process (JAX's CPU
-threads slow torch down when they share one). Greedy, EOS ignored, random token prompts.
+threads slow torch down when they share one). vLLM (``--compare vllm --vllm-python PATH``) is
+timed the same way through its own ``LLM.generate``, in its own Python and process
+(``vllm_peer.py``). Greedy, EOS ignored, random token prompts.
 
 Speculative decoding: ``--speculative-method ngram`` serves with n-gram proposals;
 ``--compare-speculation`` also starts an engine without them and alternates the two, repetition
@@ -49,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-lens", default="32,128", help="output lengths in tokens")
     parser.add_argument("--repetitions", type=int, default=5, help="measured repetitions per combination")
     parser.add_argument("--warmup-repetitions", type=int, default=1, help="unmeasured repetitions first")
-    parser.add_argument("--compare", choices=["none", "hf"], default="none",
-                        help="also measure transformers' generate on the same batches")
+    parser.add_argument("--compare", choices=["none", "hf", "vllm", "hf,vllm"], default="none",
+                        help="also measure transformers' generate, vLLM's, or both, on batches of the same shapes")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=["ngram"], default=None, help="propose tokens this way")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per step")
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="random (token prompts), repeat (a chat prompt asking to repeat a list), free (one "
                              "asking for new text), or several, comma-separated")
     common.add_hf_args(parser)
+    common.add_vllm_args(parser)
     common.add_engine_args(parser)
     common.add_output_args(parser, KIND)
     return parser
@@ -190,6 +193,21 @@ def hf_baseline(model: str, combos: list[tuple[int, int, int]], repetitions: int
     return out["result"], info
 
 
+def vllm_peer(python: str, args, options: dict, combos: list[tuple[int, int, int]], vocab: int, low: int,
+              progress: bool) -> tuple[list[dict], dict]:
+    """vLLM timed like transformers (TTFT from max_tokens=1), in its own Python (see ``vllm_peer.py``)."""
+    rng = np.random.default_rng(args.seed)
+    runs = args.warmup_repetitions + args.repetitions
+    batches = [{"batch_size": b, "input_len": i, "output_len": o, "warmup": args.warmup_repetitions,
+                "repetitions": [common.random_prompts(rng, [i] * b, vocab, low) for _ in range(runs)]}
+               for b, i, o in combos]
+    spec = {**common.vllm_model_spec(args, options), "mode": "latency", "batches": batches}
+    out = common.run_vllm_peer(python, spec, progress)
+    rows = [{"engine": "vllm", "batch_size": r["batch_size"], "input_len": r["input_len"],
+             "output_len": r["output_len"], **_summary(r["ttft"], r["tpot"], r["e2e"])} for r in out["result"]]
+    return rows, out["info"]
+
+
 def _hf_work(hf_model, pad_id: int, spec: dict) -> list[dict]:
     from tqdm.auto import tqdm
 
@@ -260,10 +278,12 @@ def main(argv=None) -> int:
     output_lens = common.parse_int_list(args.output_lens, "--output-lens")
     if args.repetitions < 1 or args.warmup_repetitions < 0:
         raise common.BenchError("--repetitions must be >= 1 and --warmup-repetitions >= 0")
-    if args.compare == "hf":
-        if prompt_kinds != ["random"]:
-            raise common.BenchError("--compare hf measures random token prompts only (--prompt-kind random)")
+    peers = args.compare.split(",") if args.compare != "none" else []
+    if peers and prompt_kinds != ["random"]:
+        raise common.BenchError(f"--compare {args.compare} measures random token prompts only (--prompt-kind random)")
+    if "hf" in peers:
         common.hf_spec(args.model, args.hf_threads)
+    vllm_python = common.check_vllm_python(args) if "vllm" in peers else None
     progress = common.show_progress(args)
     prompt_room = max(input_lens + [512] * any(kind != "random" for kind in prompt_kinds))
     options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
@@ -302,11 +322,14 @@ def main(argv=None) -> int:
     engine_options = {name: llm.engine.config.__dict__ for name, (llm, _) in llms.items()}
     del llm, llms
 
-    hf_info = None
-    if args.compare == "hf":
+    hf_info = vllm_info = None
+    if "hf" in peers:
         hf_rows, hf_info = hf_baseline(args.model, combos, args.repetitions, args.warmup_repetitions, args.seed,
                                        vocab, low, progress, args.hf_threads)
         rows.extend(hf_rows)
+    if "vllm" in peers:
+        vllm_rows, vllm_info = vllm_peer(vllm_python, args, options, combos, vocab, low, progress)
+        rows.extend(vllm_rows)
 
     config = {"model": args.model, "batch_sizes": batch_sizes, "input_lens": input_lens, "output_lens": output_lens,
               "repetitions": args.repetitions, "warmup_repetitions": args.warmup_repetitions, "seed": args.seed,
@@ -316,8 +339,9 @@ def main(argv=None) -> int:
               "engines": engine_options,
               "method": {"jaxrunner": "engine.add_request × batch, then engine.step() with a timestamp per output; "
                                       "percentiles over all requests of all repetitions",
-                         "hf": "one static generate per batch; percentiles over repetitions"}}
-    payload = {"config": config, "startup": startup, "transformers": hf_info, "results": rows}
+                         "hf": "one static generate per batch; percentiles over repetitions",
+                         "vllm": "LLM.generate per batch, max_tokens=1 then n; percentiles over repetitions"}}
+    payload = {"config": config, "startup": startup, "transformers": hf_info, "vllm": vllm_info, "results": rows}
     title = f"latency: {args.model}, {args.repetitions} repetitions"
     # a with/without-speculation comparison is its own kind of result, beside the plain latency one
     common.write_results(args, "speculative" if args.compare_speculation else KIND, payload, plot, rows, title)

@@ -3,13 +3,17 @@
 
     python scripts/benchmark_throughput.py                       # 64 random prompts, 32..256 tokens, 128 out
     python scripts/benchmark_throughput.py --compare hf          # + transformers at batch sizes 16 and 64
+    python scripts/benchmark_throughput.py --compare vllm --vllm-python ~/vllm-cpu/bin/python
     python scripts/benchmark_throughput.py --dataset builtin --output-len 64
 
 Every request is greedy with EOS ignored, so each produces exactly its output length and both
 engines do the same work. jaxrunner's figure excludes start-up (load + compile + warm-up, reported
 separately); transformers' excludes model loading and runs in its own process (JAX's CPU threads
 slow torch down when they share one). Tokens counted are the requested ones (prompt
-+ output); transformers' padding is its own cost. Writes JSON and a PNG bar plot, prints a table last.
++ output); transformers' padding is its own cost. vLLM (``--compare vllm``) serves the same token
+ids through its own ``LLM.generate`` in its own Python and process (``vllm_peer.py``), with the same
+``max_num_seqs``, token budget and ``max_model_len``; its start-up is reported beside jaxrunner's.
+Writes JSON and a PNG bar plot, prints a table last.
 """
 from __future__ import annotations
 
@@ -33,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64, help="requests to serve (default 64)")
     common.add_dataset_args(parser, input_len="32..256", output_len=128)
-    parser.add_argument("--compare", choices=["none", "hf"], default="none",
-                        help="also run transformers' static-batch generate on the same requests")
+    parser.add_argument("--compare", choices=["none", "hf", "vllm", "hf,vllm"], default="none",
+                        help="also serve the same requests with transformers' static-batch generate, vLLM, or both")
     parser.add_argument("--hf-batch-sizes", default="16,64", help="transformers batch sizes (default 16,64)")
     common.add_hf_args(parser)
+    common.add_vllm_args(parser)
     common.add_engine_args(parser)
     common.add_output_args(parser, KIND)
     return parser
@@ -104,6 +109,14 @@ def hf_baseline(model: str, requests: list[dict], batch_sizes: list[int], progre
     return out["result"], info
 
 
+def vllm_peer(python: str, args, options: dict, requests: list[dict], progress: bool) -> tuple[dict, dict]:
+    """vLLM on the same requests, in its own Python and process (see ``vllm_peer.py``)."""
+    spec = {**common.vllm_model_spec(args, options), "mode": "throughput",
+            "requests": [{"prompt_token_ids": r["prompt_token_ids"], "output_len": r["output_len"]} for r in requests]}
+    out = common.run_vllm_peer(python, spec, progress)
+    return out["result"], out["info"]
+
+
 def _hf_work(hf_model, pad_id: int, spec: dict) -> dict:
     return {f"hf_bs{bs}": run_hf(hf_model, pad_id, spec["requests"], bs, use_tqdm=spec["progress"])
             for bs in spec["batch_sizes"]}
@@ -120,7 +133,8 @@ def _figures(elapsed: float, prompt_tokens: int, output_tokens: int, num_request
 
 
 def ratios(results: dict) -> dict:
-    """jaxrunner's throughput over each transformers run's (>1: jaxrunner is faster)."""
+    """jaxrunner's throughput over each peer run's (>1: jaxrunner is faster), and over the best
+    transformers batch size."""
     jr = results["jaxrunner"]
     out = {}
     for name, figures in results.items():
@@ -129,8 +143,9 @@ def ratios(results: dict) -> dict:
         out[f"jaxrunner/{name}"] = {
             "output_tokens_per_s": jr["output_tokens_per_s"] / figures["output_tokens_per_s"],
             "total_tokens_per_s": jr["total_tokens_per_s"] / figures["total_tokens_per_s"]}
-    if out:
-        best = max((k for k in results if k != "jaxrunner"), key=lambda k: results[k]["output_tokens_per_s"])
+    hf_runs = [k for k in results if k.startswith("hf_")]
+    if hf_runs:
+        best = max(hf_runs, key=lambda k: results[k]["output_tokens_per_s"])
         out["jaxrunner/best_hf"] = dict(out[f"jaxrunner/{best}"], best=best)
     return out
 
@@ -160,9 +175,11 @@ def main(argv=None) -> int:
         raise common.BenchError(f"--num-requests: must be at least 1, got {args.num_requests}")
     if args.output_len < 1:
         raise common.BenchError(f"--output-len: must be at least 1, got {args.output_len}")
-    hf_batch_sizes = common.parse_int_list(args.hf_batch_sizes, "--hf-batch-sizes") if args.compare == "hf" else []
-    if args.compare == "hf":
+    peers = args.compare.split(",") if args.compare != "none" else []
+    hf_batch_sizes = common.parse_int_list(args.hf_batch_sizes, "--hf-batch-sizes") if "hf" in peers else []
+    if "hf" in peers:
         common.hf_spec(args.model, args.hf_threads)  # fail before the long start-up if transformers can't load it
+    vllm_python = common.check_vllm_python(args) if "vllm" in peers else None
     progress = common.show_progress(args)
 
     longest = common.longest_request(args, TEXT_DATASET_PROMPT_ROOM)
@@ -181,22 +198,25 @@ def main(argv=None) -> int:
     engine_stats = {k: v for k, v in llm.engine.stats().items() if k != "tokens_per_step"}
     del llm
 
-    hf_info = None
-    if args.compare == "hf":
+    hf_info = vllm_info = None
+    if "hf" in peers:
         hf_results, hf_info = hf_baseline(args.model, requests, hf_batch_sizes, progress, args.hf_threads)
         results.update(hf_results)
+    if "vllm" in peers:
+        results["vllm"], vllm_info = vllm_peer(vllm_python, args, options, requests, progress)
 
     config = {"model": args.model, "num_requests": args.num_requests, "dataset": args.dataset,
               "dataset_path": args.dataset_path, "input_len": args.input_len if args.dataset == "random" else None,
               "output_len": args.output_len, "seed": args.seed, "compare": args.compare, "engine": options,
               "prompt_len_stats": common.percentiles([len(r["prompt_token_ids"]) for r in requests], (0, 50, 100))}
     payload = {"config": config, "startup": startup, "engine_stats": engine_stats, "transformers": hf_info,
-               "results": results, "ratio": ratios(results)}
+               "vllm": vllm_info, "results": results, "ratio": ratios(results)}
     title = f"throughput: {args.num_requests} requests, {args.model}"
     common.write_results(args, KIND, payload, plot, results, title)
-    ratio = payload["ratio"].get("jaxrunner/best_hf")
-    if ratio:
-        title += f" — jaxrunner/{ratio['best']} output tok/s ratio {ratio['output_tokens_per_s']:.2f}×"
+    for name in ("best_hf", "vllm"):
+        ratio = payload["ratio"].get(f"jaxrunner/{name}")
+        if ratio:
+            title += f" — jaxrunner/{ratio.get('best', name)} total tok/s {ratio['total_tokens_per_s']:.2f}×"
     common.print_table(TABLE_HEADERS, table_rows(results), title)
     return 0
 

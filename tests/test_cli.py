@@ -3,7 +3,7 @@
 Fast tests: ``--help``, ``info``, and user errors (one clear line, exit code 2, caught before the
 model loads). Slow tests load the real SmolLM2 model with small engine settings and share one
 persistent compilation cache (JAXRUNNER_COMPILATION_CACHE, default
-``$TMPDIR/jaxrunner-test-xla-cache`` as in engine_helpers) so repeated starts reuse executables.
+``$TMPDIR/jaxrunner-test-xla-cache`` as set in conftest) so repeated starts reuse executables.
 """
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from conftest import requires_smollm2
+from engine_helpers import COMPILE_CACHE
 from jaxrunner.runner.buckets import BucketPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +29,8 @@ TINY_WORKLOAD = ["--num-requests", "4", "--input-len", "8..16", "--output-len", 
 TIMEOUT_S = 900
 
 
-def shared_cache_dir() -> str:
-    return os.environ.get("JAXRUNNER_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache")
-
-
 def _env() -> dict:
-    env = dict(os.environ, JAXRUNNER_COMPILATION_CACHE=shared_cache_dir(), HF_HUB_OFFLINE="1",
+    env = dict(os.environ, JAXRUNNER_COMPILATION_CACHE=COMPILE_CACHE, HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg", TQDM_DISABLE="1")
     env.pop("JAXRUNNER_NOTEBOOK_SMALL", None)
     return env
@@ -95,7 +91,7 @@ def test_info():
     info = json.loads(_ok(jaxrunner("info", "--json")).stdout)
     assert info["backend"] == "cpu" and info["attention_impl"] in ("native", "xla")
     assert info["native_cpu_kernel"] == "ready" or info["attention_impl"] == "xla"
-    assert info["compilation_cache_dir"] == shared_cache_dir()
+    assert info["compilation_cache_dir"] == COMPILE_CACHE
 
 
 @pytest.mark.parametrize("args, prefix", [
@@ -115,6 +111,9 @@ def test_info():
     (["bench", "throughput", "--input-len", "9..3"], "benchmark_throughput: error: --input-len"),
     (["bench", "throughput", "--compare", "hf", "--model", "/nonexistent"], "benchmark_throughput: error: model"),
     (["bench", "latency", "--compare", "hf", "--hf-threads", "0"], "benchmark_latency: error: --hf-threads"),
+    (["bench", "throughput", "--compare", "vllm"], "benchmark_throughput: error: --compare vllm needs --vllm-python"),
+    (["bench", "latency", "--compare", "vllm", "--vllm-python", sys.executable],
+     f"benchmark_latency: error: --vllm-python {sys.executable!r}: cannot import vllm"),
 ], ids=lambda v: v[0] + "-" + v[1] if isinstance(v, list) else None)
 def test_bad_input_is_one_line_and_exit_2(args, prefix):
     _one_error_line(jaxrunner(*args), prefix)

@@ -1,0 +1,127 @@
+"""The vLLM side of a side-by-side benchmark, run by the peer's own Python (``--vllm-python PATH``).
+
+    PATH/python scripts/vllm_peer.py SPEC.json
+
+It imports vLLM and the standard library only (no jaxrunner, no JAX): the benchmark scripts write
+the workload (token ids) to SPEC.json, run this in its own process, and read the figures back
+from the file SPEC names. vLLM loads an HF directory; a GGUF file is first written out once as a
+float HF checkpoint with transformers (``convert_to``), so both engines serve the same weights.
+
+SPEC: ``{"mode": "throughput" | "latency", "model_dir", "gguf_file" (or null), "convert_to",
+"dtype", "engine": {vLLM LLM(...) options}, "result": path, ...}``; throughput adds ``requests``
+(``[{"prompt_token_ids", "output_len"}]``), latency adds ``batches`` (``[{"batch_size",
+"input_len", "output_len", "repetitions": [[prompt ids, ...], ...], "warmup"}]``).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+import time
+
+
+def hf_directory(spec: dict) -> str:
+    """The HF directory vLLM loads: the model's own, or the GGUF file converted once to float."""
+    if not spec.get("gguf_file"):
+        return spec["model_dir"]
+    out = spec["convert_to"]
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = dict(pretrained_model_name_or_path=spec["model_dir"], gguf_file=spec["gguf_file"])
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    partial = out + ".partial"
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, out)  # a half-written conversion is never taken for a finished one
+    return out
+
+
+def start_engine(spec: dict):
+    from vllm import LLM
+
+    directory = hf_directory(spec)
+    start = time.perf_counter()
+    llm = LLM(model=directory, dtype=spec["dtype"], disable_log_stats=True, **spec["engine"])
+    return llm, time.perf_counter() - start
+
+
+def greedy(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_prompts(batch: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": ids} for ids in batch]
+
+
+def throughput(llm, spec: dict) -> dict:
+    """Every request at once through ``generate``, as ``vllm bench throughput`` serves them."""
+    requests = spec["requests"]
+    params = [greedy(r["output_len"]) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(token_prompts([r["prompt_token_ids"] for r in requests]), params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"elapsed_s": elapsed, "num_requests": len(requests), "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+            "output_tokens_per_s": output_tokens / elapsed, "requests_per_s": len(requests) / elapsed,
+            "expected_output_tokens": sum(r["output_len"] for r in requests)}
+
+
+def timed_generate(llm, batch: list[list[int]], max_tokens: int) -> float:
+    start = time.perf_counter()
+    llm.generate(token_prompts(batch), greedy(max_tokens), use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def latency(llm, spec: dict) -> list[dict]:
+    """Per batch: TTFT = generate(max_tokens=1), end-to-end = generate(max_tokens=n), TPOT from both."""
+    rows = []
+    for batch in spec["batches"]:
+        n = batch["output_len"]
+        ttft, tpot, e2e = [], [], []
+        for index, prompts in enumerate(batch["repetitions"]):
+            first = timed_generate(llm, prompts, 1)
+            total = timed_generate(llm, prompts, n)
+            if index < batch["warmup"]:
+                continue
+            ttft.append(first)
+            e2e.append(total)
+            if n > 1:
+                tpot.append((total - first) / (n - 1))
+        rows.append({"batch_size": batch["batch_size"], "input_len": batch["input_len"], "output_len": n,
+                     "ttft": ttft, "tpot": tpot, "e2e": e2e})
+    return rows
+
+
+def version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 4)))
+    llm, startup_s = start_engine(spec)
+    result = throughput(llm, spec) if spec["mode"] == "throughput" else latency(llm, spec)
+    info = {"startup_s": startup_s, "dtype": spec["dtype"], "engine": spec["engine"],
+            "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"], "python": sys.version.split()[0],
+            "vllm": version("vllm") or version("vllm-cpu"), "torch": version("torch"),
+            "process": "separate (its own Python, no JAX)"}
+    with open(spec["result"], "w", encoding="utf-8") as f:
+        json.dump({"info": info, "result": result}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
