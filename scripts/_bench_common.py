@@ -671,13 +671,21 @@ def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: floa
             json.dump({**spec, "result": result_path}, f)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA"))}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        proc = subprocess.run([python, script, spec_path], env=env, stdout=None if progress else subprocess.DEVNULL,
-                              stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
-            raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {tail}")
+        if spec.get("gguf_file"):  # converted by this Python's transformers, which reads GGUF
+            _run_peer_script([sys.executable, script, "--convert", spec_path], env, progress, timeout, "conversion")
+        _run_peer_script([python, script, spec_path], env, progress, timeout, "vLLM peer")
         with open(result_path, encoding="utf-8") as f:
             return json.load(f)
+
+
+def _run_peer_script(command: list[str], env: dict, progress: bool, timeout: float | None, what: str) -> None:
+    import subprocess
+
+    proc = subprocess.run(command, env=env, stdout=None if progress else subprocess.DEVNULL,
+                          stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {tail}")
 
 
 # ----------------------------------------------------------------------------- running a script

@@ -1,11 +1,14 @@
 """The vLLM side of a side-by-side benchmark, run by the peer's own Python (``--vllm-python PATH``).
 
     PATH/python scripts/vllm_peer.py SPEC.json
+    python scripts/vllm_peer.py --convert SPEC.json
 
 It imports vLLM and the standard library only (no jaxrunner, no JAX): the benchmark scripts write
 the workload (token ids) to SPEC.json, run this in its own process, and read the figures back
 from the file SPEC names. vLLM loads an HF directory; a GGUF file is first written out once as a
-float HF checkpoint with transformers (``convert_to``), so both engines serve the same weights.
+float HF checkpoint (``convert_to``), so both engines serve the same weights. The conversion runs
+with ``--convert`` under the benchmark's own Python, whose transformers reads GGUF (the ``gguf``
+package comes with jaxrunner; vLLM's CPU build does not bring it).
 
 SPEC: ``{"mode": "throughput" | "latency", "model_dir", "gguf_file" (or null), "convert_to",
 "dtype", "engine": {vLLM LLM(...) options}, "result": path, ...}``; throughput adds ``requests``
@@ -34,6 +37,10 @@ def hf_directory(spec: dict) -> str:
     source = dict(pretrained_model_name_or_path=spec["model_dir"], gguf_file=spec["gguf_file"])
     model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(**source)
+    # the weights are de-quantized to float on loading: save them as a plain float checkpoint
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     partial = out + ".partial"
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
@@ -123,5 +130,11 @@ def main(spec_path: str) -> int:
     return 0
 
 
+def convert(spec_path: str) -> int:
+    with open(spec_path, encoding="utf-8") as f:
+        hf_directory(json.load(f))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(convert(sys.argv[2]) if sys.argv[1] == "--convert" else main(sys.argv[1]))
