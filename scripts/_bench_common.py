@@ -624,7 +624,7 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="for --compare vllm: the python of a virtual environment holding vLLM (e.g. its CPU "
                              "build), run in its own process on the same requests")
-    parser.add_argument("--vllm-kv-cache-gib", type=float, default=4.0,
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4,
                         help="for --compare vllm: its KV cache (VLLM_CPU_KVCACHE_SPACE, GiB; default 4)")
 
 
@@ -659,8 +659,10 @@ def vllm_model_spec(args, options: dict) -> dict:
             "engine": engine, "kv_cache_gib": args.vllm_kv_cache_gib}
 
 
-def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: float | None = None) -> dict:
-    """Run ``vllm_peer.py`` with the peer's Python and return the JSON it writes ({"info", "result"})."""
+def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: float | None = None,
+                  env: dict | None = None) -> dict:
+    """Run ``vllm_peer.py`` with the peer's Python and return the JSON it writes ({"info", "result"});
+    ``env``: variables added to the peer's environment."""
     import subprocess
     import tempfile
 
@@ -669,8 +671,9 @@ def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: floa
         spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump({**spec, "result": result_path}, f)
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA"))}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
         if spec.get("gguf_file"):  # converted by this Python's transformers, which reads GGUF
             _run_peer_script([sys.executable, script, "--convert", spec_path], env, progress, timeout, "conversion")
         _run_peer_script([python, script, spec_path], env, progress, timeout, "vLLM peer")

@@ -5,8 +5,9 @@
     python scripts/benchmark_startup.py --configs cli --repeats 3
     python scripts/benchmark_startup.py --max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 256
 
-Configurations: ``cli`` is what ``jaxrunner generate`` starts by default (dtype auto, the model's
-max_model_len, 16 sequences, 256-token steps), ``readme`` the Python example of the README
+Configurations: ``cli`` is what ``jaxrunner generate "a prompt"`` starts by default (dtype auto,
+the model's max_model_len, 256-token steps, one sequence: the command narrows ``max_num_seqs`` to
+its prompts), ``readme`` the Python example of the README
 (float32, 64 sequences, 512-token steps, max_model_len 2048); engine flags make a ``custom`` one.
 Each start runs in its own Python process, so nothing in memory (JAX's in-process executable
 cache, imported modules) carries over: a cold start gets a fresh empty persistent compilation
@@ -20,6 +21,11 @@ overlap on a thread pool, so Σ compile exceeds its phase), and the persistent c
 misses; plus the process's import time and total. Then ``--num-ttft-requests`` requests of the
 same shape are served one after the other (time to first token of the first and the tenth). The
 OS file cache is not dropped: the GGUF file is read from memory after the first start.
+
+``--compare vllm --vllm-python PATH`` starts vLLM too, in its own Python, right after each jaxrunner
+pair, with the same model (the GGUF converted once to float), dtype and limits: cold with an empty
+``VLLM_CACHE_ROOT``, cached with the same directory again. Its figures are the import of vllm, the
+``LLM(...)`` construction and one request's time to first token.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ REPORT_KEYS = ("startup_s", "load_s", "compile_s_total", "trace_s_total", "lower
 PHASES = ("cold", "cached")
 # `jaxrunner generate`'s engine defaults (jaxrunner/cli.py) and the README's Python example.
 CONFIGS = {
-    "cli": dict(dtype="auto", max_model_len=None, max_num_seqs=16, max_num_batched_tokens=256),
+    "cli": dict(dtype="auto", max_model_len=None, max_num_seqs=1, max_num_batched_tokens=256),
     "readme": dict(dtype="float32", seed=0, page_size=16, max_num_seqs=64, max_num_batched_tokens=512,
                    max_model_len=2048),
 }
@@ -65,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-cache", action="store_true", help="keep the temporary compilation cache dirs")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per start")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: JSON options of one start
+    parser.add_argument("--compare", choices=["none", "vllm"], default="none",
+                        help="also start vLLM, cold and cached, with the same model and limits")
+    common.add_vllm_args(parser)
     common.add_engine_args(parser)
     common.add_output_args(parser, KIND)
     return parser
@@ -138,6 +147,39 @@ def run_start(label: str, spec: dict, timeout: float, progress: bool) -> dict:
     return result
 
 
+def vllm_start(python: str, args, options: dict, served: dict, cache_root: str, label: str, progress: bool) -> dict:
+    """One vLLM start in its own process (``vllm_peer.py``, mode ``startup``) with ``cache_root`` as
+    its cache, the dtype and max_model_len that jaxrunner's start ``served``; returns its import,
+    construction and first-token seconds."""
+    import numpy as np
+
+    peer_options = {"dtype": served["dtype"], "max_num_seqs": options["max_num_seqs"],
+                    "max_num_batched_tokens": options["max_num_batched_tokens"], "max_model_len": served["max_model_len"],
+                    "enable_prefix_caching": True, "seed": args.seed}
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(10, 1000, args.input_len).tolist()
+    spec = {**common.vllm_model_spec(args, peer_options), "mode": "startup", "prompt_token_ids": prompt}
+    print(f"[{label} start] VLLM_CACHE_ROOT={cache_root}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    out = common.run_vllm_peer(python, spec, progress, timeout=args.timeout, env={"VLLM_CACHE_ROOT": cache_root})
+    info = out["info"]
+    return {"process_wall_s": time.perf_counter() - start, "import_s": info["import_s"],
+            "construct_s": info["startup_s"], "ttft_first_s": out["result"]["ttft_first_s"],
+            "dtype": served["dtype"], "max_model_len": served["max_model_len"], "vllm": info.get("vllm"),
+            "torch": info.get("torch")}
+
+
+def vllm_pair(python: str, args, options: dict, served: dict, name: str, repeat: int, progress: bool) -> dict:
+    """vLLM cold (empty cache root) then cached (the same root again)."""
+    cache_root = tempfile.mkdtemp(prefix="jaxrunner-vllm-cache-")
+    try:
+        return {phase: vllm_start(python, args, options, served, cache_root, f"vllm {name} {phase} #{repeat + 1}",
+                                  progress)
+                for phase in PHASES}
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+
+
 def summarize(runs: list[dict]) -> dict:
     """Medians over runs (breakdown phases too), the cache counts of every run, and the runs."""
     def median(values):
@@ -151,6 +193,34 @@ def summarize(runs: list[dict]) -> dict:
     summary.update(num_buckets=runs[0]["num_buckets"], bucket_plan=runs[0]["bucket_plan"], dtype=runs[0]["dtype"],
                    max_model_len=runs[0]["max_model_len"], ttft_s=runs[0]["ttft_s"], runs=runs)
     return summary
+
+
+VLLM_KEYS = ("process_wall_s", "import_s", "construct_s", "ttft_first_s")
+VLLM_HEADERS = ["start", "engine", "process s", "import s", "construct s", "TTFT #1 ms"]
+
+
+def summarize_vllm(runs: list[dict]) -> dict:
+    summary = {key: statistics.median(r[key] for r in runs) for key in VLLM_KEYS}
+    return {**summary, "dtype": runs[0]["dtype"], "max_model_len": runs[0]["max_model_len"],
+            "vllm": runs[0]["vllm"], "torch": runs[0]["torch"], "runs": runs}
+
+
+def vllm_ratios(results: dict, vllm: dict, names: list[str]) -> dict:
+    """jaxrunner over vLLM per start (below 1: jaxrunner starts faster)."""
+    return {f"{name} {phase}": {"process_wall": results[f"{name} {phase}"]["process_wall_s"]
+                                / vllm[f"vllm {name} {phase}"]["process_wall_s"]}
+            for name in names for phase in PHASES}
+
+
+def vllm_rows(results: dict, vllm: dict) -> list[list]:
+    rows = []
+    for label, r in results.items():
+        peer = vllm[f"vllm {label}"]
+        rows.append([label, "jaxrunner", r["process_wall_s"], r["import_s"], r["construct_s"],
+                     common.ms(r["ttft_first_s"])])
+        rows.append([label, "vllm", peer["process_wall_s"], peer["import_s"], peer["construct_s"],
+                     common.ms(peer["ttft_first_s"])])
+    return rows
 
 
 def config_options(name: str, args) -> dict:
@@ -230,8 +300,10 @@ def main(argv=None) -> int:
         raise common.BenchError("--compilation-cache-dir: the start-up benchmark makes its own empty cache dirs")
     progress = common.show_progress(args)
     names = chosen_configs(args)
+    vllm_python = common.check_vllm_python(args) if args.compare == "vllm" else None
     options = {name: config_options(name, args) for name in names}
     runs: dict[str, list[dict]] = {f"{name} {phase}": [] for name in names for phase in PHASES}
+    vllm_runs: dict[str, list[dict]] = {f"vllm {name} {phase}": [] for name in names for phase in PHASES}
     cache_files = {}
     for repeat in range(args.repeats):
         for name in names:  # alternate configurations: the machine's drift spreads over all of them
@@ -247,6 +319,10 @@ def main(argv=None) -> int:
             finally:
                 if not args.keep_cache:
                     shutil.rmtree(cache_dir, ignore_errors=True)
+            if vllm_python:
+                pair = vllm_pair(vllm_python, args, options[name], runs[f"{name} cold"][-1], name, repeat, progress)
+                for phase in PHASES:
+                    vllm_runs[f"vllm {name} {phase}"].append(pair[phase])
     results = {label: summarize(r) for label, r in runs.items()}
     cold_over_cached = {name: results[f"{name} cold"]["process_wall_s"] / results[f"{name} cached"]["process_wall_s"]
                         for name in names}
@@ -258,10 +334,17 @@ def main(argv=None) -> int:
                         "cached = the same dir again right after; configurations alternate; medians over "
                         "repeats; OS file cache not dropped"}
     payload = {"config": config, "results": results, "cold_over_cached_process_wall": cold_over_cached}
+    if vllm_python:
+        payload["vllm"] = {label: summarize_vllm(r) for label, r in vllm_runs.items()}
+        payload["ratio"] = vllm_ratios(results, payload["vllm"], names)
     title = f"start-up: {args.model}, " + ", ".join(f"{n} {results[n + ' cold']['num_buckets']} buckets" for n in names)
     common.write_results(args, KIND, payload, plot, results, title)
     common.print_table(TABLE_HEADERS, table_rows(results), title + " — cold/cached process: " +
                        ", ".join(f"{n} {v:.2f}×" for n, v in cold_over_cached.items()))
+    if vllm_python:
+        common.print_table(VLLM_HEADERS, vllm_rows(results, payload["vllm"]),
+                           "side by side (medians), jaxrunner / vLLM process wall: " +
+                           ", ".join(f"{label} {v['process_wall']:.2f}×" for label, v in payload["ratio"].items()))
     return 0
 
 

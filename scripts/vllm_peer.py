@@ -10,10 +10,11 @@ float HF checkpoint (``convert_to``), so both engines serve the same weights. Th
 with ``--convert`` under the benchmark's own Python, whose transformers reads GGUF (the ``gguf``
 package comes with jaxrunner; vLLM's CPU build does not bring it).
 
-SPEC: ``{"mode": "throughput" | "latency", "model_dir", "gguf_file" (or null), "convert_to",
+SPEC: ``{"mode": "throughput" | "latency" | "startup", "model_dir", "gguf_file" (or null), "convert_to",
 "dtype", "engine": {vLLM LLM(...) options}, "result": path, ...}``; throughput adds ``requests``
 (``[{"prompt_token_ids", "output_len"}]``), latency adds ``batches`` (``[{"batch_size",
-"input_len", "output_len", "repetitions": [[prompt ids, ...], ...], "warmup"}]``).
+"input_len", "output_len", "repetitions": [[prompt ids, ...], ...], "warmup"}]``), startup
+``prompt_token_ids`` (one request after start-up).
 """
 from __future__ import annotations
 
@@ -49,12 +50,14 @@ def hf_directory(spec: dict) -> str:
 
 
 def start_engine(spec: dict):
-    from vllm import LLM
-
+    """(vLLM's LLM, seconds to import vllm, seconds to construct the LLM)."""
     directory = hf_directory(spec)
     start = time.perf_counter()
+    from vllm import LLM
+
+    imported = time.perf_counter()
     llm = LLM(model=directory, dtype=spec["dtype"], disable_log_stats=True, **spec["engine"])
-    return llm, time.perf_counter() - start
+    return llm, imported - start, time.perf_counter() - imported
 
 
 def greedy(max_tokens: int):
@@ -108,6 +111,11 @@ def latency(llm, spec: dict) -> list[dict]:
     return rows
 
 
+def first_token(llm, spec: dict) -> dict:
+    """After start-up (``startup`` mode): one request's time to its first token."""
+    return {"ttft_first_s": timed_generate(llm, [spec["prompt_token_ids"]], 1)}
+
+
 def version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -118,10 +126,10 @@ def version(name: str) -> str | None:
 def main(spec_path: str) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 4)))
-    llm, startup_s = start_engine(spec)
-    result = throughput(llm, spec) if spec["mode"] == "throughput" else latency(llm, spec)
-    info = {"startup_s": startup_s, "dtype": spec["dtype"], "engine": spec["engine"],
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(spec.get("kv_cache_gib", 4))))  # whole GiB
+    llm, import_s, startup_s = start_engine(spec)
+    result = {"throughput": throughput, "latency": latency, "startup": first_token}[spec["mode"]](llm, spec)
+    info = {"import_s": import_s, "startup_s": startup_s, "dtype": spec["dtype"], "engine": spec["engine"],
             "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"], "python": sys.version.split()[0],
             "vllm": version("vllm") or version("vllm-cpu"), "torch": version("torch"),
             "process": "separate (its own Python, no JAX)"}

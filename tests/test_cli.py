@@ -114,6 +114,7 @@ def test_info():
     (["bench", "throughput", "--compare", "vllm"], "benchmark_throughput: error: --compare vllm needs --vllm-python"),
     (["bench", "latency", "--compare", "vllm", "--vllm-python", sys.executable],
      f"benchmark_latency: error: --vllm-python {sys.executable!r}: cannot import vllm"),
+    (["bench", "startup", "--compare", "vllm"], "benchmark_startup: error: --compare vllm needs --vllm-python"),
 ], ids=lambda v: v[0] + "-" + v[1] if isinstance(v, list) else None)
 def test_bad_input_is_one_line_and_exit_2(args, prefix):
     _one_error_line(jaxrunner(*args), prefix)
