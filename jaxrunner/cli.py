@@ -103,9 +103,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    from jaxrunner.config import EngineConfig
+
     params = _sampling(args)
+    options = _engine_options(args)
+    EngineConfig(model=args.model, **options)  # every flag checked as given, before any narrowing
     _join_cluster(args)
-    llm = _start(args.model, _engine_options(args))
+    options["max_num_seqs"] = 1  # one conversation, one sequence a step: no wider bucket is worth compiling
+    llm = _start(args.model, options)
     if llm.get_tokenizer() is None or not getattr(llm.get_tokenizer(), "chat_template", None):
         raise ValueError(f"model {args.model!r} has no chat template; use `jaxrunner generate --raw`")
     system = [{"role": "system", "content": args.system}] if args.system else []
