@@ -12,10 +12,11 @@ import numpy as np
 COMPILE_CACHE = os.environ.setdefault("JAXRUNNER_COMPILATION_CACHE",
                                       os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache"))
 
-# min_token_bucket=16 keeps the test engines at 9 shapes; the 1- and 4-token buckets are exercised
-# by the CLI and notebook tests, which use the defaults.
+# min_token_bucket=32 keeps the test engines at 6 shapes (32 and 64 tokens × 1, 4, 8 sequences):
+# compiling is most of what an engine test costs. The 1- to 16-token buckets are exercised by the
+# CLI, server and notebook tests, which use smaller minimums.
 TINY_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=8, num_pages=96,
-                   compilation_cache_dir=COMPILE_CACHE, progress=False, seed=0, min_token_bucket=16)
+                   compilation_cache_dir=COMPILE_CACHE, progress=False, seed=0, min_token_bucket=32)
 
 
 def make_llm(model_dir: str, **overrides):

@@ -15,6 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_helpers import TINY_ENGINE, count_compilations, random_prompts, token_ids  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Two buckets (32 tokens × 1 or 4 sequences): each mesh compiles every bucket again, and on 8
+# forced CPU devices that compile is what these scenarios cost.
+MESH_ENGINE = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32)
 
 
 def _serve(model: str, prompts, max_tokens: int, engine: dict, **parallel) -> dict:
@@ -45,11 +48,11 @@ def _error(**options) -> str:
 def tiny(model_dir: str) -> dict:
     """8 query / 2 KV heads: TP 2 splits KV heads, TP 4 replicates them; DP 2 × TP 2; bad meshes."""
     prompts = random_prompts(6, 512, 3, 40, seed=1)
-    results = {f"tp{tp}_dp{dp}": _serve(model_dir, prompts, 12, TINY_ENGINE, tensor_parallel_size=tp,
+    results = {f"tp{tp}_dp{dp}": _serve(model_dir, prompts, 12, MESH_ENGINE, tensor_parallel_size=tp,
                                         data_parallel_size=dp)
                for tp, dp in ((1, 1), (2, 1), (4, 1), (2, 2))}
-    results["error_tp3"] = _error(model=model_dir, **TINY_ENGINE, tensor_parallel_size=3)
-    results["error_too_many"] = _error(model=model_dir, **TINY_ENGINE, tensor_parallel_size=4, data_parallel_size=4)
+    results["error_tp3"] = _error(model=model_dir, **MESH_ENGINE, tensor_parallel_size=3)
+    results["error_too_many"] = _error(model=model_dir, **MESH_ENGINE, tensor_parallel_size=4, data_parallel_size=4)
     return results
 
 
@@ -68,9 +71,7 @@ def smollm2(gguf_path: str) -> dict:
     prompts = [{"prompt_token_ids": model.tokenizer.encode(text)} for text in
                ("The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time")]
     del model
-    # two buckets per engine (32 tokens × 1 or 4 sequences): the 30-layer compiles dominate here
-    engine = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32, max_model_len=64,
-                  num_pages=40)
+    engine = dict(MESH_ENGINE, max_model_len=64, num_pages=40)
     return {f"tp{tp}_dp{dp}": _serve(checkpoint, prompts, 8, engine, tensor_parallel_size=tp, data_parallel_size=dp)
             for tp, dp in ((1, 1), (3, 1), (1, 2), (3, 2))}
 
@@ -85,11 +86,11 @@ def in_memory(model_dir: str) -> dict:
 
     prompts = random_prompts(4, 512, 3, 40, seed=2)
     params = SamplingParams(max_tokens=8, **GREEDY)
-    loaded = LLM(model_dir, **TINY_ENGINE, tensor_parallel_size=2)
+    loaded = LLM(model_dir, **MESH_ENGINE, tensor_parallel_size=2)
     config = read_hf_config(model_dir)
     results = {"loaded": token_ids(loaded.generate(prompts, params, use_tqdm=False))}
     for tp, dp in ((2, 1), (2, 2)):
-        served = LLM.from_params(loaded.params, config, **TINY_ENGINE, tensor_parallel_size=tp, data_parallel_size=dp)
+        served = LLM.from_params(loaded.params, config, **MESH_ENGINE, tensor_parallel_size=tp, data_parallel_size=dp)
         same = [a is b for a, b in zip(jax.tree.leaves(served.params), jax.tree.leaves(loaded.params))]
         tokens = token_ids(served.generate(prompts, params, use_tqdm=False))
         new = jax.tree.map(lambda x: x * 1.5, loaded.params)
@@ -106,8 +107,7 @@ def moe(model_dirs: str) -> dict:
     """Mixture-of-experts checkpoints (JSON: family -> directory) at TP 2: attention heads split,
     experts split over the model axis (expert parallelism). test_moe.py's prompts and engine."""
     prompts = random_prompts(4, 512, 3, 70, seed=11)
-    engine = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32)
-    return {family: _serve(path, prompts, 24, engine, tensor_parallel_size=2)
+    return {family: _serve(path, prompts, 24, MESH_ENGINE, tensor_parallel_size=2)
             for family, path in json.loads(model_dirs).items()}
 
 
