@@ -316,6 +316,11 @@ def device_info() -> dict:
         info["cpu_affinity"] = len(os.sched_getaffinity(0))
     except AttributeError:
         pass
+    from jaxrunner.runner.precision import cpu_flags
+
+    # speeds differ most by these (bf16 dots, AMX tiles): results of two machines compare only with them
+    info["cpu_features"] = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",
+                                                 "avx_vnni", "amx_tile", "amx_bf16", "amx_int8"})
     try:
         import jax
 
