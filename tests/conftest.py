@@ -10,6 +10,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One persistent compilation cache for the whole run, the subprocesses and notebook kernels included,
 # so that an executable compiled by one test is loaded by the next; set before any helper reads it.
 os.environ.setdefault("JAXRUNNER_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache"))
+# Compiling is most of what the engine tests cost, and XLA's backend optimizations most of a compile
+# (about 2.5x on the tiny models): the tests, their subprocesses and notebook kernels compile at level 0.
+# What they check (tokens, parity, compiles, pages) does not depend on it; steps run a little slower.
+# JAXRUNNER_TEST_XLA_OPTIMIZED=1 compiles as users' processes do.
+if os.environ.get("JAXRUNNER_TEST_XLA_OPTIMIZED") != "1":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import pytest
 
