@@ -51,6 +51,17 @@ def _engine_options(args) -> dict:
                 quantization=args.quantization)
 
 
+def _narrowed_options(args, most_seqs: int) -> dict:
+    """The engine flags, each checked as given, then ``max_num_seqs`` narrowed to ``most_seqs``: a
+    command that knows how many sequences it will ever run compiles no wider bucket."""
+    from jaxrunner.config import EngineConfig
+
+    options = _engine_options(args)
+    EngineConfig(model=args.model, **options)
+    options["max_num_seqs"] = min(options["max_num_seqs"], most_seqs)
+    return options
+
+
 def _join_cluster(args) -> None:
     """Multi-host runs: every process runs the same command with its own --process-id."""
     from jaxrunner.parallel import distributed
@@ -79,14 +90,9 @@ def _sampling(args):
 
 
 def cmd_generate(args) -> int:
-    from jaxrunner.config import EngineConfig
-
     params = _sampling(args)  # validate flags before the model loads
-    options = _engine_options(args)
-    EngineConfig(model=args.model, **options)  # every flag checked as given, before any narrowing
+    options = _narrowed_options(args, len(args.prompt))  # a one-shot job knows its batch
     _join_cluster(args)
-    # A one-shot job knows its batch: no sequence bucket larger than the prompts is worth compiling.
-    options["max_num_seqs"] = min(options["max_num_seqs"], len(args.prompt))
     llm = _start(args.model, options)
     tokenizer = llm.get_tokenizer()
     use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
@@ -103,13 +109,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from jaxrunner.config import EngineConfig
-
     params = _sampling(args)
-    options = _engine_options(args)
-    EngineConfig(model=args.model, **options)  # every flag checked as given, before any narrowing
+    options = _narrowed_options(args, 1)  # one conversation: one sequence a step
     _join_cluster(args)
-    options["max_num_seqs"] = 1  # one conversation, one sequence a step: no wider bucket is worth compiling
     llm = _start(args.model, options)
     if llm.get_tokenizer() is None or not getattr(llm.get_tokenizer(), "chat_template", None):
         raise ValueError(f"model {args.model!r} has no chat template; use `jaxrunner generate --raw`")
