@@ -17,7 +17,7 @@ from engine_helpers import TINY_ENGINE, count_compilations, random_prompts, toke
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Two buckets (32 tokens × 1 or 4 sequences): each mesh compiles every bucket again, and on 8
 # forced CPU devices that compile is what these scenarios cost.
-MESH_ENGINE = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32)
+MESH_ENGINE = dict(TINY_ENGINE, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 def _serve(model: str, prompts, max_tokens: int, engine: dict, **parallel) -> dict:
