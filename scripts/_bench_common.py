@@ -664,26 +664,46 @@ def vllm_model_spec(args, options: dict) -> dict:
             "engine": engine, "kv_cache_gib": args.vllm_kv_cache_gib}
 
 
+VLLM_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+
+
+def vllm_peer_model(spec: dict, progress: bool = False, timeout: float | None = None) -> dict:
+    """``spec`` pointing at a float HF directory vLLM loads: a GGUF model is converted once, by this
+    Python's transformers (which reads GGUF; vLLM's CPU build brings no ``gguf``), before any timing."""
+    import tempfile
+
+    if not spec.get("gguf_file"):
+        return spec
+    with tempfile.TemporaryDirectory(prefix="jaxrunner-vllm-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        _run_peer_script([sys.executable, VLLM_PEER_SCRIPT, "--convert", spec_path], _peer_env(), progress,
+                         timeout, "conversion")
+    return {**spec, "model_dir": spec["convert_to"], "gguf_file": None}
+
+
 def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: float | None = None,
                   env: dict | None = None) -> dict:
     """Run ``vllm_peer.py`` with the peer's Python and return the JSON it writes ({"info", "result"});
     ``env``: variables added to the peer's environment."""
-    import subprocess
     import tempfile
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    spec = vllm_peer_model(spec, progress, timeout)
     with tempfile.TemporaryDirectory(prefix="jaxrunner-vllm-") as tmp:
         spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump({**spec, "result": result_path}, f)
-        extra = env or {}
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA"))}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
-        if spec.get("gguf_file"):  # converted by this Python's transformers, which reads GGUF
-            _run_peer_script([sys.executable, script, "--convert", spec_path], env, progress, timeout, "conversion")
-        _run_peer_script([python, script, spec_path], env, progress, timeout, "vLLM peer")
+        _run_peer_script([python, VLLM_PEER_SCRIPT, spec_path], _peer_env(env), progress, timeout, "vLLM peer")
         with open(result_path, encoding="utf-8") as f:
             return json.load(f)
+
+
+def _peer_env(extra: dict | None = None) -> dict:
+    """This process's environment without JAX's and XLA's settings, offline, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(extra or {}))
+    return env
 
 
 def _run_peer_script(command: list[str], env: dict, progress: bool, timeout: float | None, what: str) -> None:

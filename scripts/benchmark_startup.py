@@ -159,6 +159,7 @@ def vllm_start(python: str, args, options: dict, served: dict, cache_root: str, 
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(10, 1000, args.input_len).tolist()
     spec = {**common.vllm_model_spec(args, peer_options), "mode": "startup", "prompt_token_ids": prompt}
+    spec = common.vllm_peer_model(spec, progress, args.timeout)  # a GGUF's conversion is not the peer's start
     print(f"[{label} start] VLLM_CACHE_ROOT={cache_root}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     out = common.run_vllm_peer(python, spec, progress, timeout=args.timeout, env={"VLLM_CACHE_ROOT": cache_root})
