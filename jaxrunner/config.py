@@ -17,7 +17,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (None, "float32", "bfloat16")
 WARMUP_INPUTS = ("random", "zeros")
-SPECULATIVE_METHODS = (None, "ngram")
+SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # 1 + 3 query tokens fill the 4-token bucket a batch-1 decode already has
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
@@ -52,11 +52,14 @@ class EngineConfig:
     data_parallel_size: int = 1             # independent engine replicas, each on its own devices
     progress: bool = True
     # Speculative decoding, like vLLM's speculative_config: "ngram" proposes the tokens that followed
-    # the last occurrence of the most recent n tokens (n from prompt_lookup_max down to _min).
+    # the last occurrence of the most recent n tokens (n from prompt_lookup_max down to _min);
+    # "draft_model" proposes greedily with speculative_model, a model sharing the tokenizer.
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None   # default DEFAULT_NUM_SPECULATIVE_TOKENS with a method
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    speculative_model: str | None = None        # draft_model: an alias, a .gguf file or a model directory
+    speculative_quantization: str | None = None  # the draft's weights: None | "int8" | "int4" | "w8a8"
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -80,6 +83,7 @@ class EngineConfig:
         from jaxrunner.models.quant import check_quantization  # the formats live with the quantization code
 
         check_quantization(self.quantization, self.quantization_group_size)
+        check_quantization(self.speculative_quantization, self.quantization_group_size, "speculative_quantization")
         self._check_speculative()
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"EngineConfig.max_num_seqs ({self.max_num_seqs}) exceeds "
@@ -91,14 +95,30 @@ class EngineConfig:
         names = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
         for name in names:
             setattr(self, name, _check_int(name, getattr(self, name), 1, optional=True))
-        if self.speculative_method is None:
-            given = [name for name in names if getattr(self, name) is not None]
-            if given:
-                raise _invalid(given[0], getattr(self, given[0]), "None unless speculative_method is set "
-                               f"(one of {', '.join(repr(m) for m in SPECULATIVE_METHODS[1:])})")
+        if isinstance(self.speculative_model, os.PathLike):
+            self.speculative_model = os.fspath(self.speculative_model)
+        if self.speculative_model is not None:
+            _check_str("speculative_model", self.speculative_model, "an alias, a .gguf file or a model directory")
+        method = self.speculative_method
+        _only_with("num_speculative_tokens", self.num_speculative_tokens, method is not None, "speculative_method is set")
+        for name in names[1:]:
+            _only_with(name, getattr(self, name), method == "ngram", "speculative_method='ngram'")
+        for name in ("speculative_model", "speculative_quantization"):
+            _only_with(name, getattr(self, name), method == "draft_model", "speculative_method='draft_model'")
+        if method == "draft_model" and self.speculative_model is None:
+            raise _invalid("speculative_model", None, "the draft model (an alias, a .gguf file or a model directory) "
+                           "when speculative_method='draft_model'")
+        if method is None:
             return
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+        if self.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise _invalid("num_speculative_tokens", self.num_speculative_tokens,
+                           f"an integer in [1, max_num_batched_tokens={self.max_num_batched_tokens})")
+        if method == "ngram":
+            self._fill_prompt_lookup()
+
+    def _fill_prompt_lookup(self) -> None:
         if self.prompt_lookup_max is None:
             self.prompt_lookup_max = max(DEFAULT_PROMPT_LOOKUP_MAX, self.prompt_lookup_min or 1)
         if self.prompt_lookup_min is None:
@@ -106,9 +126,12 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise _invalid("prompt_lookup_min", self.prompt_lookup_min,
                            f"an integer in [1, prompt_lookup_max={self.prompt_lookup_max}]")
-        if self.num_speculative_tokens >= self.max_num_batched_tokens:
-            raise _invalid("num_speculative_tokens", self.num_speculative_tokens,
-                           f"an integer in [1, max_num_batched_tokens={self.max_num_batched_tokens})")
+
+
+def _only_with(name: str, value, allowed: bool, condition: str) -> None:
+    """A speculative option given where its method does not use it."""
+    if value is not None and not allowed:
+        raise _invalid(name, value, f"None unless {condition}")
 
 
 def _invalid(name: str, value, valid: str) -> ValueError:

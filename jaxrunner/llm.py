@@ -364,11 +364,13 @@ def _engine_options(options: dict) -> dict:
 
 # vLLM's speculative_config keys -> EngineConfig fields
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
-                           "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+                           "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
+                           "model": "speculative_model", "quantization": "speculative_quantization"}
 
 
 def _speculative_options(config, options: dict) -> dict:
-    """vLLM's ``speculative_config`` dict as EngineConfig fields (their values are checked there)."""
+    """vLLM's ``speculative_config`` dict as EngineConfig fields (their values are checked there);
+    ``{"model": ...}`` alone means ``method="draft_model"``."""
     if config is None:
         return {}
     if not isinstance(config, dict):
@@ -379,6 +381,8 @@ def _speculative_options(config, options: dict) -> dict:
         raise ValueError(f"LLM.speculative_config: unknown key(s) {', '.join(map(str, unknown))}; valid: "
                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
     mapped = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in config.items()}
+    if mapped.get("speculative_model") is not None and "speculative_method" not in mapped:
+        mapped["speculative_method"] = "draft_model"  # as vLLM: a draft model without a method is one
     both = sorted(set(mapped) & set(options))
     if both:
         raise ValueError(f"LLM: {both[0]!r} given both directly and in speculative_config")

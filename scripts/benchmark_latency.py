@@ -16,7 +16,8 @@ threads slow torch down when they share one). vLLM (``--compare vllm --vllm-pyth
 timed the same way through its own ``LLM.generate``, in its own Python and process
 (``vllm_peer.py``). Greedy, EOS ignored, random token prompts.
 
-Speculative decoding: ``--speculative-method ngram`` serves with n-gram proposals;
+Speculative decoding: ``--speculative-method ngram`` serves with n-gram proposals, ``draft_model``
+with a draft model's (``--speculative-model``, optionally ``--speculative-quantization``);
 ``--compare-speculation`` also starts an engine without them and alternates the two, repetition
 by repetition. ``--prompt-kind repeat`` asks the model (chat template) to repeat a list given in
 the prompt, where proposals from the prompt pay; ``free`` asks for new text, where they rarely do
@@ -24,6 +25,9 @@ the prompt, where proposals from the prompt pay; ``free`` asks for new text, whe
 
     python scripts/benchmark_latency.py --batch-sizes 1 --output-lens 128 --prompt-kind repeat \
         --speculative-method ngram --compare-speculation
+    python scripts/benchmark_latency.py --batch-sizes 1 --output-lens 128 --prompt-kind repeat,free \
+        --speculative-method draft_model --speculative-model smollm2-135m-instruct \
+        --speculative-quantization int4 --compare-speculation
 """
 from __future__ import annotations
 
@@ -54,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", choices=["none", "hf", "vllm", "hf,vllm"], default="none",
                         help="also measure transformers' generate, vLLM's, or both, on batches of the same shapes")
     spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-method", choices=["ngram"], default=None, help="propose tokens this way")
+    spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                      help="propose tokens this way")
+    spec.add_argument("--speculative-model", default=None,
+                      help="draft_model: the draft (an alias, a .gguf file or a model directory)")
+    spec.add_argument("--speculative-quantization", default=None, help="draft_model: the draft's quantization")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per step")
     spec.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram looked up")
     spec.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram looked up")
@@ -289,10 +297,11 @@ def main(argv=None) -> int:
     options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
                                     max_concurrency=max(batch_sizes))
     spec_options = {name: getattr(args, name) for name in ("num_speculative_tokens", "prompt_lookup_max",
-                                                           "prompt_lookup_min") if getattr(args, name) is not None}
+                                                           "prompt_lookup_min", "speculative_model",
+                                                           "speculative_quantization") if getattr(args, name) is not None}
     if args.speculative_method is None and (spec_options or args.compare_speculation):
-        raise common.BenchError("--num-speculative-tokens, --prompt-lookup-* and --compare-speculation need "
-                                "--speculative-method")
+        raise common.BenchError("--num-speculative-tokens, --prompt-lookup-*, --speculative-model, "
+                                "--speculative-quantization and --compare-speculation need --speculative-method")
     if max(batch_sizes) > options["max_num_seqs"]:
         print(f"note: batch sizes above --max-num-seqs {options['max_num_seqs']} queue inside the engine",
               file=sys.stderr)

@@ -199,7 +199,7 @@ def test_vllm_speculative_config_maps_to_engine_options():
                                                       "prompt_lookup_max": 3}})
     assert options == {"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(ValueError, match="speculative_config: unknown key"):
-        _engine_options({"speculative_config": {"method": "ngram", "model": "draft"}})
+        _engine_options({"speculative_config": {"method": "ngram", "draft_tensor_parallel_size": 2}})
 
 
 # ----------------------------------------------------------------------------- scheduler rollback

@@ -12,7 +12,8 @@ string) has one wasted token computed in N+1, which is dropped; one that reaches
 is not scheduled again. Some requests make steps synchronous (``Request.needs_host_history`` says
 which, and why). Each ``step()`` still returns the outputs of exactly one step.
 
-Speculative decoding (``speculative_method``): the scheduler attaches proposals to decodes, the
+Speculative decoding (``speculative_method``: n-gram lookup here, or the executor's draft model):
+the scheduler attaches proposals to decodes, the
 step verifies them, and ``complete_step`` appends the accepted ones plus the model's next token
 (several tokens in one output), then reports how many were accepted so the scheduler rolls the
 rest back. A proposal is made from every past token, so a step that proposes is planned only
@@ -126,6 +127,8 @@ class LLMEngine:
         proposer = None
         if config.speculative_method == "ngram":
             proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.speculative_method == "draft_model":
+            proposer = executor.draft_proposer  # it runs a model: the runner side started it
         return Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=executor.max_model_len, page_size=executor.page_size,

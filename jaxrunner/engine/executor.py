@@ -39,6 +39,7 @@ class Executor(Protocol):
     page_size: int
     num_pages: int
     max_num_spec_seqs: int           # sequences with proposals one step can verify
+    draft_proposer: Any              # a spec_decode.Proposer running a draft model, or None
     limits: SamplingLimits
     synchronous: bool                # several processes drive one mesh: steps must not overlap
     startup_report: dict

@@ -21,8 +21,9 @@ checks stop conditions; the engine then calls ``finish``. Under async scheduling
 (``Request.num_pending_outputs``): it counts as a token to compute like any other, and a request
 whose pending token is its last (``max_tokens``) is not scheduled again.
 
-Speculative decoding (with a ``proposer``): a decode whose request can speculate gets the proposer's
-guesses as ``ScheduledChunk.draft_token_ids``, computed in the same chunk (1 + k query tokens, a
+Speculative decoding (with a ``proposer``): the proposer is asked once per step for the running
+decodes whose requests can speculate (a draft model proposes for them as one batch); a decode
+gets its guesses as ``ScheduledChunk.draft_token_ids``, computed in the same chunk (1 + k query tokens, a
 small prefill chunk, so it takes a prefill slot), and they count against the token budget. Pages
 are only taken for them when free ones are there (no preemption for a guess). ``update`` counts only
 the known tokens as computed; the engine reports the accepted guesses with ``accept_drafts``, which
@@ -157,8 +158,7 @@ def _back_off(request: Request) -> None:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None, proposer=None):
-        """``proposer``: ``propose(token_ids, limit) -> [token ids]`` (``engine.spec_decode``), or
-        None for no speculative decoding."""
+        """``proposer``: an ``engine.spec_decode.Proposer``, or None for no speculative decoding."""
         if allocator is None:
             allocator = PageAllocator(config.num_pages, config.page_size,
                                       config.enable_prefix_caching)
@@ -200,6 +200,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._unfinished[request.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request with reason "abort", wherever it is; None when it is unknown."""
@@ -223,7 +225,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs,
                             self.config.max_num_spec_seqs if self.proposer is not None else 0)
-        self._schedule_running(step)
+        self._schedule_running(step, self._proposals() if self.proposer is not None else {})
         if not step.preempted:  # pages are short: don't let newcomers take what was just freed
             self._admit_waiting(step)
         plan = step.build()
@@ -262,7 +264,7 @@ class Scheduler:
         self.allocator.commit_full_pages(request)
         request.page_ids = self.allocator.release_tail(request, request.num_tokens)
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
+    def _schedule_running(self, step: _StepBuilder, proposals: dict[Request, list[int]]) -> None:
         # sorted() is stable: decodes first, each group in admission order.
         for request in sorted(self.running, key=self._is_prefilling):
             if request.status is not RequestStatus.RUNNING:
@@ -272,26 +274,44 @@ class Scheduler:
             num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
             if num_new == 0 or not step.has_prefill_slot(num_new) or not self._make_room(request, num_new, step):
                 continue
-            draft = self._propose(request, step) if num_new == 1 else []
+            draft = self._take_proposal(request, proposals.get(request), step) if num_new == 1 else []
             step.add(request, num_new, draft)
 
-    def _propose(self, request: Request, step: _StepBuilder) -> list[int]:
-        """Proposals for a decode, as many as the budget, the output cap, a prefill slot and free
-        pages allow (none when any of them is short; their pages are taken here). A request whose
-        lookup finds nothing backs off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated
-        failures), so that text with nothing to copy runs like non-speculative decoding (async
-        scheduling included) most of the time."""
-        if request.spec_backoff > 0:
-            request.spec_backoff -= 1
+    def _proposals(self) -> dict[Request, list[int]]:
+        """The proposer's guesses for the running decodes that can speculate (at most
+        ``max_num_spec_seqs``, in admission order), asked for in one call. A request whose proposer
+        found nothing backs off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures),
+        so that text with nothing to copy runs like non-speculative decoding (async scheduling
+        included) most of the time."""
+        asked = []
+        for request in self.running:
+            if len(asked) == self.config.max_num_spec_seqs:
+                break
+            if self._num_new_tokens(request) != 1:
+                continue
+            if request.spec_backoff > 0:
+                request.spec_backoff -= 1
+                continue
+            limit = min(self.config.max_num_batched_tokens - 1,
+                        request.max_tokens - request.num_expected_outputs - 1)
+            if request.can_speculate and limit > 0:
+                asked.append((request, limit))
+        drafts = self.proposer.propose_many([(r.request_id, r.all_token_ids, limit) for r, limit in asked])
+        proposals = {}
+        for (request, _), draft in zip(asked, drafts):
+            if draft:
+                proposals[request] = list(draft)
+            else:
+                _back_off(request)
+        return proposals
+
+    def _take_proposal(self, request: Request, draft: list[int] | None, step: _StepBuilder) -> list[int]:
+        """As much of a decode's proposal as the budget, a prefill slot and free pages allow (none
+        when any of them is short; their pages are taken here)."""
+        if not draft or step.spec_seqs_left <= 0 or not step.has_prefill_slot(2):
             return []
-        if step.spec_seqs_left <= 0 or not request.can_speculate or not step.has_prefill_slot(2):
-            return []
-        limit = min(step.token_budget - 1, request.max_tokens - request.num_expected_outputs - 1)
-        if limit <= 0:
-            return []
-        draft = self.proposer.propose(request.all_token_ids, limit)
+        draft = draft[:step.token_budget - 1]
         if not draft:
-            _back_off(request)
             return []
         pages = self.allocator.allocate(request, 1 + len(draft))
         if pages is None:

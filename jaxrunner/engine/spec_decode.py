@@ -1,9 +1,13 @@
-"""Speculative decoding, host side: the n-gram (prompt lookup) proposer.
+"""Speculative decoding, host side: the proposer protocol and the n-gram (prompt lookup) proposer.
 
 A proposer guesses the next few tokens of a request cheaply; the model then checks all of them in
 one step (a chunk of 1 + k query tokens, see ``Scheduler`` and ``runner.batch``), and the sampler
 keeps the target distribution exactly (``runner.sampler``: greedy rows accept while the guess is
 the argmax, sampled rows by rejection sampling). So a wrong guess costs only the extra query rows.
+
+The scheduler asks once per step for every decode that may speculate (``Proposer.propose_many``),
+so that a draft model (``runner.draft_proposer``, on the runner side: it runs a model) proposes
+for all of them in one batch.
 
 ``NgramProposer`` needs no model: the most recent ``n`` tokens (``n`` from ``max_n`` down to
 ``min_n``, as vLLM's ``ngram`` method) are looked up in the request's prompt + output, and the
@@ -13,12 +17,23 @@ prompt, editing code, lists) is where this pays.
 """
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 # The lookup scans at most this many of the most recent tokens: its cost per step stays bounded
 # however long the request grows.
 MAX_LOOKBACK_TOKENS = 2048
+
+
+class Proposer(Protocol):
+    def propose_many(self, queries: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        """For each ``(request_id, token_ids, limit)``: at most ``limit`` tokens guessed to follow
+        ``token_ids`` (the request's prompt and outputs); an empty list for no guess."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what the proposer keeps for it."""
 
 
 class NgramProposer:
@@ -28,6 +43,12 @@ class NgramProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose_many(self, queries: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        return [self.propose(token_ids, limit) for _, token_ids, limit in queries]
+
+    def forget(self, request_id: str) -> None:
+        pass  # it keeps nothing
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``min(limit, num_speculative_tokens)`` tokens guessed to follow ``token_ids``

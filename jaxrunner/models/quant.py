@@ -159,9 +159,9 @@ def quantize_activations(x: jax.Array, guard: bool = True) -> tuple[jax.Array, j
 # ----------------------------------------------------------------------------- params trees
 
 
-def check_quantization(quantization, group_size: int = 32) -> None:
+def check_quantization(quantization, group_size: int = 32, field: str = "quantization") -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization: must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+        raise ValueError(f"{field}: must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     check_group_size(group_size)
 
 

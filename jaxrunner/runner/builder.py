@@ -16,6 +16,7 @@ from jaxrunner.models.loading import LoadedModel, load_model
 from jaxrunner.models.quant import quantize_model
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
 from jaxrunner.runner.executor import Executor
+from jaxrunner.runner.preflight import check_draft_vocabulary
 
 
 def create_engine(config: EngineConfig, model: LoadedModel | None = None) -> LLMEngine:
@@ -30,17 +31,27 @@ def build_executors(config: EngineConfig, model: LoadedModel | None = None) -> l
     rows = _replica_meshes(config, model)
     base = model if model is not None else load_model(config.model, config.dtype, progress=config.progress,
                                                       mesh=rows[0])
+    draft = None
+    if config.speculative_method == "draft_model":
+        draft = load_model(config.speculative_model, config.dtype, progress=config.progress, mesh=rows[0])
+        check_draft_vocabulary(base.config, draft.config)
     executors = []
     for row in rows:
-        replica = _on_mesh(base, row)
-        if config.quantization is not None:
-            replica = quantize_model(replica, config.quantization, config.quantization_group_size)
-        executors.append(Executor(config, replica))
+        replica = _quantized(_on_mesh(base, row), config.quantization, config)
+        draft_replica = None if draft is None else _quantized(_on_mesh(draft, row), config.speculative_quantization,
+                                                              config)
+        executors.append(Executor(config, replica, draft_replica))
     if len(rows) > 1:
         for executor in executors:
             executor.startup_report["global_mesh"] = meshes.describe(meshes.build_mesh(
                 config.tensor_parallel_size, config.data_parallel_size))
     return executors
+
+
+def _quantized(model: LoadedModel, quantization: str | None, config: EngineConfig) -> LoadedModel:
+    if quantization is None:
+        return model
+    return quantize_model(model, quantization, config.quantization_group_size)
 
 
 def _replica_meshes(config: EngineConfig, model: LoadedModel | None) -> list:

@@ -15,6 +15,7 @@ from jaxrunner.engine.executor import SamplingLimits
 from jaxrunner.runner import weights
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.runner.buckets import MAX_SPEC_SEQS
+from jaxrunner.runner.draft_proposer import start_draft_proposer
 from jaxrunner.runner.sampler import MAX_LOGPROBS
 from jaxrunner.runner.startup import start_runner
 from jaxrunner.runner.step_batch import MAX_ALLOWED_TOKEN_IDS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
@@ -30,16 +31,22 @@ class StepHandle:
 
 
 class Executor:
-    """Starts a runner for ``model`` (already on this row's mesh) and serves steps on it."""
+    """Starts a runner for ``model`` (already on this row's mesh) and serves steps on it; with a
+    ``draft`` model (speculative_method="draft_model", on the same mesh) also the draft's runner,
+    whose proposer the engine's scheduler asks (``draft_proposer``)."""
 
     limits = LIMITS
     max_num_spec_seqs = MAX_SPEC_SEQS
 
-    def __init__(self, config: EngineConfig, model):
+    def __init__(self, config: EngineConfig, model, draft=None):
         self.model = model
         self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, model)
         self.max_prefill_seqs = config.max_num_prefill_seqs
         self.eos_token_ids = _eos_token_ids(model)
+        self.draft_proposer = None
+        if draft is not None:
+            self.draft_proposer, self.startup_report["draft_model"] = start_draft_proposer(
+                config, draft, self.max_model_len, self.num_pages)
 
     # ------------------------------------------------------------------ facts the engine plans with
     @property

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
-from jaxrunner.runner.startup import default_kv_cache_dtype, resolve_max_model_len
+from jaxrunner.runner.startup import default_kv_cache_dtype, model_max_len, resolve_max_model_len
 from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading import peek_model
@@ -30,10 +30,13 @@ def check_before_loading(config: EngineConfig) -> None:
     this model on this machine."""
     distributed.initialize_from_env()  # before any device is touched; a no-op unless configured
     meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
+    draft = _peek_draft(config)  # first: the target's GGUF, parsed last, stays cached for its load
     peek = peek_model(config.model)
     cfg = peek.config
-    resolve_max_model_len(config, cfg)
+    max_model_len, _ = resolve_max_model_len(config, cfg)
     meshes.check_tensor_parallel(cfg, config.tensor_parallel_size)
+    if draft is not None:
+        _check_draft(config, cfg, draft, max_model_len)
     if config.num_pages is None and config.kv_cache_memory_bytes is None:
         return
     device = jax.local_devices()[0]
@@ -45,6 +48,38 @@ def check_before_loading(config: EngineConfig) -> None:
     memory.check_pool_fits(budget, estimated_weights_bytes(cfg, dtype, config.quantization) // tp,
                            kv_bytes_per_page(cfg, config.page_size, kv_dtype) // tp,
                            config.num_pages, config.kv_cache_memory_bytes)
+
+
+def _peek_draft(config: EngineConfig) -> ModelConfig | None:
+    """The draft model's config (speculative_method="draft_model"), its source named on failure."""
+    if config.speculative_method != "draft_model":
+        return None
+    try:
+        return peek_model(config.speculative_model).config
+    except (ValueError, OSError) as err:
+        raise ValueError(f"EngineConfig.speculative_model: {err}") from None
+
+
+def _check_draft(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig, max_model_len: int) -> None:
+    """The draft proposes target token ids, for sequences as long as the target's, on its devices."""
+    check_draft_vocabulary(cfg, draft)
+    limit, field = model_max_len(draft)
+    if limit < max_model_len:
+        raise ValueError(f"EngineConfig.speculative_model: the draft takes at most {limit} tokens (its {field}), "
+                         f"the engine serves up to max_model_len={max_model_len}; valid: a draft whose limit is at "
+                         f"least max_model_len, or max_model_len <= {limit}")
+    try:
+        meshes.check_tensor_parallel(draft, config.tensor_parallel_size)
+    except ValueError as err:
+        raise ValueError(f"EngineConfig.speculative_model: {err}") from None
+
+
+def check_draft_vocabulary(target_config, draft_config) -> None:
+    """A draft model's proposals are target token ids: its vocabulary must be the target's."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"EngineConfig.speculative_model: the draft's vocabulary has {draft_config.vocab_size} "
+                         f"tokens, the model's {target_config.vocab_size}; valid: a draft model sharing the "
+                         "model's tokenizer")
 
 
 def estimated_weights_bytes(cfg: ModelConfig, dtype: str, quantization: str | None) -> int:
