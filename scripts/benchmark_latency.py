@@ -17,16 +17,17 @@ timed the same way through its own ``LLM.generate``, in its own Python and proce
 (``vllm_peer.py``). Greedy, EOS ignored, random token prompts.
 
 Speculative decoding: ``--speculative-method ngram`` serves with n-gram proposals, ``draft_model``
-with a draft model's (``--speculative-model``, optionally ``--speculative-quantization``);
-``--compare-speculation`` also starts an engine without them and alternates the two, repetition
-by repetition. ``--prompt-kind repeat`` asks the model (chat template) to repeat a list given in
-the prompt, where proposals from the prompt pay; ``free`` asks for new text, where they rarely do
-(both ignore ``--input-lens``: the prompt is the text's length). Rows report the acceptance rate.
+with a draft model's (``--speculative-model``, optionally ``--speculative-quantization``), and
+``ngram,draft_model`` starts one engine for each; ``--compare-speculation`` also starts an engine
+without them, and the engines alternate repetition by repetition. ``--prompt-kind repeat`` asks
+the model (chat template) to repeat a list given in the prompt, where proposals from the prompt
+pay; ``free`` asks for new text, where they rarely do (both ignore ``--input-lens``: the prompt is
+the text's length). Rows report the acceptance rate.
 
     python scripts/benchmark_latency.py --batch-sizes 1 --output-lens 128 --prompt-kind repeat \
         --speculative-method ngram --compare-speculation
     python scripts/benchmark_latency.py --batch-sizes 1 --output-lens 128 --prompt-kind repeat,free \
-        --speculative-method draft_model --speculative-model smollm2-135m-instruct \
+        --speculative-method ngram,draft_model --speculative-model smollm2-135m-instruct \
         --speculative-quantization int4 --compare-speculation
 """
 from __future__ import annotations
@@ -58,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", choices=["none", "hf", "vllm", "hf,vllm"], default="none",
                         help="also measure transformers' generate, vLLM's, or both, on batches of the same shapes")
     spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
-                      help="propose tokens this way")
+    spec.add_argument("--speculative-method", default=None,
+                      help="propose tokens this way: ngram, draft_model, or both comma-separated (an engine each)")
     spec.add_argument("--speculative-model", default=None,
                       help="draft_model: the draft (an alias, a .gguf file or a model directory)")
     spec.add_argument("--speculative-quantization", default=None, help="draft_model: the draft's quantization")
@@ -273,6 +274,27 @@ def plot(path: str, rows: list[dict], title: str) -> str:
         "end-to-end (p50)": ("s", series("e2e_s", 1.0))}, title=title)
 
 
+SPECULATIVE_FLAGS = {"ngram": ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+                     "draft_model": ("num_speculative_tokens", "speculative_model", "speculative_quantization")}
+
+
+def speculative_engines(args) -> tuple[list[str], dict[str, dict]]:
+    """The speculative methods asked for, and each one's engine options (the flags it uses)."""
+    methods = args.speculative_method.split(",") if args.speculative_method else []
+    unknown = [method for method in methods if method not in SPECULATIVE_FLAGS]
+    if unknown or len(set(methods)) != len(methods):
+        raise common.BenchError(f"--speculative-method {args.speculative_method!r}: valid: "
+                                f"{', '.join(SPECULATIVE_FLAGS)}, comma-separated, each once")
+    given = {name for flags in SPECULATIVE_FLAGS.values() for name in flags if getattr(args, name) is not None}
+    unused = sorted(given - {name for method in methods for name in SPECULATIVE_FLAGS[method]})
+    if unused or (args.compare_speculation and not methods):
+        flags = [f"--{name.replace('_', '-')}" for name in unused] or ["--compare-speculation"]
+        raise common.BenchError(f"{', '.join(flags)}: no --speculative-method given uses it")
+    return methods, {method: {"speculative_method": method, **{name: getattr(args, name) for name in
+                                                               SPECULATIVE_FLAGS[method] if getattr(args, name) is not None}}
+                     for method in methods}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.hf_worker:
@@ -296,12 +318,7 @@ def main(argv=None) -> int:
     prompt_room = max(input_lens + [512] * any(kind != "random" for kind in prompt_kinds))
     options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
                                     max_concurrency=max(batch_sizes))
-    spec_options = {name: getattr(args, name) for name in ("num_speculative_tokens", "prompt_lookup_max",
-                                                           "prompt_lookup_min", "speculative_model",
-                                                           "speculative_quantization") if getattr(args, name) is not None}
-    if args.speculative_method is None and (spec_options or args.compare_speculation):
-        raise common.BenchError("--num-speculative-tokens, --prompt-lookup-*, --speculative-model, "
-                                "--speculative-quantization and --compare-speculation need --speculative-method")
+    methods, spec_options = speculative_engines(args)
     if max(batch_sizes) > options["max_num_seqs"]:
         print(f"note: batch sizes above --max-num-seqs {options['max_num_seqs']} queue inside the engine",
               file=sys.stderr)
@@ -309,11 +326,10 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     llms = {}
-    if args.speculative_method is None or args.compare_speculation:
+    if not methods or args.compare_speculation:
         llms["jaxrunner"] = common.start_llm(args.model, options)
-    if args.speculative_method is not None:
-        llms[f"jaxrunner+{args.speculative_method}"] = common.start_llm(
-            args.model, dict(options, speculative_method=args.speculative_method, **spec_options))
+    for method in methods:
+        llms[f"jaxrunner+{method}"] = common.start_llm(args.model, dict(options, **spec_options[method]))
     # a chat text sets the prompt's length: one input length for it
     workloads = [(kind, combo) for kind in prompt_kinds
                  for combo in combinations(batch_sizes, input_lens if kind == "random" else input_lens[:1], output_lens)]
@@ -343,8 +359,7 @@ def main(argv=None) -> int:
     config = {"model": args.model, "batch_sizes": batch_sizes, "input_lens": input_lens, "output_lens": output_lens,
               "repetitions": args.repetitions, "warmup_repetitions": args.warmup_repetitions, "seed": args.seed,
               "compare": args.compare, "engine": options, "prompt_kind": args.prompt_kind,
-              "speculative": {"method": args.speculative_method, **spec_options,
-                              "compare_speculation": args.compare_speculation},
+              "speculative": {"methods": spec_options, "compare_speculation": args.compare_speculation},
               "engines": engine_options,
               "method": {"jaxrunner": "engine.add_request × batch, then engine.step() with a timestamp per output; "
                                       "percentiles over all requests of all repetitions",

@@ -115,6 +115,8 @@ def test_info():
     (["bench", "latency", "--compare", "vllm", "--vllm-python", sys.executable],
      f"benchmark_latency: error: --vllm-python {sys.executable!r}: cannot import vllm"),
     (["bench", "startup", "--compare", "vllm"], "benchmark_startup: error: --compare vllm needs --vllm-python"),
+    (["bench", "latency", "--speculative-method", "draft_model", "--prompt-lookup-max", "3"],
+     "benchmark_latency: error: --prompt-lookup-max: no --speculative-method given uses it"),
 ], ids=lambda v: v[0] + "-" + v[1] if isinstance(v, list) else None)
 def test_bad_input_is_one_line_and_exit_2(args, prefix):
     _one_error_line(jaxrunner(*args), prefix)
