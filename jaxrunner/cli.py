@@ -40,15 +40,28 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: $JAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index "
                         "(default: $JAX_PROCESS_ID)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                             'or \'{"model": DRAFT, "num_speculative_tokens": 3, "quantization": "int4"}\'')
     parser.add_argument("--verbose", action="store_true", help="log start-up details")
 
 
 def _engine_options(args) -> dict:
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
-                seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
-                tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                quantization=args.quantization)
+    options = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
+                   seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
+                   tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                   quantization=args.quantization)
+    if args.speculative_config is not None:
+        from jaxrunner.llm import speculative_config_options
+
+        try:
+            config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--speculative-config: not JSON ({err.msg}); valid: a JSON object such as "
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
+        options.update(speculative_config_options(config, options))
+    return options
 
 
 def _narrowed_options(args, most_seqs: int) -> dict:

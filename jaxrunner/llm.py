@@ -348,7 +348,7 @@ def _engine_options(options: dict) -> dict:
             logger.info("enforce_eager=True has no effect: jaxrunner compiles every bucket at start-up "
                         "and never compiles while serving")
     if "speculative_config" in options:
-        options.update(_speculative_options(options.pop("speculative_config"), options))
+        options.update(speculative_config_options(options.pop("speculative_config"), options))
     for vllm_name, name in VLLM_NAMES.items():
         if vllm_name in options:
             if name in options:
@@ -368,7 +368,7 @@ SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "num_speculative_toke
                            "model": "speculative_model", "quantization": "speculative_quantization"}
 
 
-def _speculative_options(config, options: dict) -> dict:
+def speculative_config_options(config, options: dict) -> dict:
     """vLLM's ``speculative_config`` dict as EngineConfig fields (their values are checked there);
     ``{"model": ...}`` alone means ``method="draft_model"``."""
     if config is None:

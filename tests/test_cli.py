@@ -101,6 +101,9 @@ def test_info():
     (["generate", "--max-num-seqs", "0", "hi"],
      "jaxrunner generate: error: EngineConfig.max_num_seqs: invalid value 0; valid: an integer >= 1"),
     (["generate", "--max-model-len", "0", "hi"], "jaxrunner generate: error: EngineConfig.max_model_len"),
+    (["generate", "--speculative-config", "{method: ngram}", "hi"], "jaxrunner generate: error: --speculative-config"),
+    (["serve", "--speculative-config", '{"method": "draft_model"}'],
+     "jaxrunner serve: error: EngineConfig.speculative_model"),
     (["chat", "--temperature", "-1"], "jaxrunner chat: error:"),
     (["chat", "--model", "/nonexistent"], "jaxrunner chat: error: model '/nonexistent' not found"),
     (["bench", "throughput", "--tensor-parallel-size", "2"],
@@ -149,9 +152,15 @@ def test_convert_overwrite_replaces_a_checkpoint(tiny_checkpoints, tmp_path):
 
 
 def test_generate_on_a_model_with_a_short_limit_needs_no_flags(tiny_checkpoints):
-    """A Qwen2 directory with max_position_embeddings=512: the default max_model_len is the model's."""
-    proc = _ok(jaxrunner("generate", "--model", tiny_checkpoints["qwen2"], "--max-tokens", "4", "--json", "hello"))
-    assert len(json.loads(proc.stdout.splitlines()[-1])["token_ids"]) <= 4
+    """A Qwen2 directory with max_position_embeddings=512: the default max_model_len is the model's.
+    With vLLM's --speculative-config naming a draft model (the tiny Llama, same vocabulary), the
+    greedy tokens are the same."""
+    generate = ("generate", "--model", tiny_checkpoints["qwen2"], "--max-tokens", "8", "--json", "hello")
+    plain = json.loads(_ok(jaxrunner(*generate)).stdout.splitlines()[-1])["token_ids"]
+    assert len(plain) <= 8
+    draft = json.dumps({"model": tiny_checkpoints["llama"], "num_speculative_tokens": 2})
+    drafted = json.loads(_ok(jaxrunner(*generate, "--speculative-config", draft)).stdout.splitlines()[-1])
+    assert drafted["token_ids"] == plain
 
 
 def test_bad_flag_value_is_argparse_exit_2():
