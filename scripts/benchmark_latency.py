@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram looked up")
     spec.add_argument("--compare-speculation", action="store_true",
                       help="also run without speculation, alternating repetitions with the speculative engine")
+    parser.add_argument("--compare-quantization", default=None, choices=["int8", "int4", "w8a8"],
+                        help="also run an engine with these weights, alternating repetitions with the float one "
+                             "(the result is named after the format)")
     parser.add_argument("--prompt-kind", default="random",
                         help="random (token prompts), repeat (a chat prompt asking to repeat a list), free (one "
                              "asking for new text), or several, comma-separated")
@@ -319,6 +322,9 @@ def main(argv=None) -> int:
     options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
                                     max_concurrency=max(batch_sizes))
     methods, spec_options = speculative_engines(args)
+    if args.compare_quantization is not None and args.quantization is not None:
+        raise common.BenchError(f"--compare-quantization {args.compare_quantization} runs beside float weights: "
+                                f"drop --quantization {args.quantization}")
     if max(batch_sizes) > options["max_num_seqs"]:
         print(f"note: batch sizes above --max-num-seqs {options['max_num_seqs']} queue inside the engine",
               file=sys.stderr)
@@ -328,6 +334,9 @@ def main(argv=None) -> int:
     llms = {}
     if not methods or args.compare_speculation:
         llms["jaxrunner"] = common.start_llm(args.model, options)
+    if args.compare_quantization is not None:
+        llms[f"jaxrunner+{args.compare_quantization}"] = common.start_llm(
+            args.model, dict(options, quantization=args.compare_quantization))
     for method in methods:
         llms[f"jaxrunner+{method}"] = common.start_llm(args.model, dict(options, **spec_options[method]))
     # a chat text sets the prompt's length: one input length for it
@@ -360,6 +369,7 @@ def main(argv=None) -> int:
               "repetitions": args.repetitions, "warmup_repetitions": args.warmup_repetitions, "seed": args.seed,
               "compare": args.compare, "engine": options, "prompt_kind": args.prompt_kind,
               "speculative": {"methods": spec_options, "compare_speculation": args.compare_speculation},
+              "compare_quantization": args.compare_quantization,
               "engines": engine_options,
               "method": {"jaxrunner": "engine.add_request × batch, then engine.step() with a timestamp per output; "
                                       "percentiles over all requests of all repetitions",
@@ -367,8 +377,11 @@ def main(argv=None) -> int:
                          "vllm": "LLM.generate per batch, max_tokens=1 then n; percentiles over repetitions"}}
     payload = {"config": config, "startup": startup, "transformers": hf_info, "vllm": vllm_info, "results": rows}
     title = f"latency: {args.model}, {args.repetitions} repetitions"
-    # a with/without-speculation comparison is its own kind of result, beside the plain latency one
-    common.write_results(args, "speculative" if args.compare_speculation else KIND, payload, plot, rows, title)
+    # a with/without-speculation comparison is its own kind of result, beside the plain latency one;
+    # a float/quantized comparison is named after the format, like a quantized run
+    named = args if args.compare_quantization is None else argparse.Namespace(
+        **{**vars(args), "quantization": args.compare_quantization})
+    common.write_results(named, "speculative" if args.compare_speculation else KIND, payload, plot, rows, title)
     common.print_table(TABLE_HEADERS, table_rows(rows), title)
     return 0
 
