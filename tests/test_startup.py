@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import build_tiny_checkpoint
 from engine_helpers import count_compilations, make_llm, random_prompts, token_ids
 from jaxrunner import SamplingParams
 
@@ -45,15 +46,19 @@ def _code_mappings() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's memory mappings")
-def test_a_dropped_engine_releases_its_executables(tiny_checkpoints):
+def test_a_dropped_engine_releases_its_executables(tmp_path):
     """JAX keeps what a jitted function compiled on the function: the shared step must die with the
     last engine using it, or every engine built and dropped leaves its code mapped (and a process
-    building a few dozen reaches the kernel's mapping limit inside a compile)."""
+    building a few dozen reaches the kernel's mapping limit inside a compile). The model is one no
+    other test serves: an engine of an earlier test, still held by its idle loop for a moment,
+    would otherwise share the step being watched."""
     from jaxrunner.runner import model_runner
 
+    model = build_tiny_checkpoint(tmp_path / "llama-vocab384", "llama", vocab_size=384)
+    gc.collect()
     before_keys, before_maps = set(model_runner._SHARED_STEPS.keys()), _code_mappings()
-    llm = make_llm(tiny_checkpoints["llama"], num_pages=72)  # shapes no other engine of the suite has
-    llm.generate(random_prompts(2, 512, 4, 12), SamplingParams(max_tokens=3))
+    llm = make_llm(model, num_pages=72)
+    llm.generate(random_prompts(2, 384, 4, 12), SamplingParams(max_tokens=3))
     added = _code_mappings() - before_maps
     assert set(model_runner._SHARED_STEPS.keys()) - before_keys
     del llm

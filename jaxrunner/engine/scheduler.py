@@ -22,12 +22,12 @@ checks stop conditions; the engine then calls ``finish``. Under async scheduling
 whose pending token is its last (``max_tokens``) is not scheduled again.
 
 Speculative decoding (with a ``proposer``): the proposer is asked once per step for the running
-decodes whose requests can speculate (a draft model proposes for them as one batch); a decode
-gets its guesses as ``ScheduledChunk.draft_token_ids``, computed in the same chunk (1 + k query tokens, a
-small prefill chunk, so it takes a prefill slot), and they count against the token budget. Pages
-are only taken for them when free ones are there (no preemption for a guess). ``update`` counts only
-the known tokens as computed; the engine reports the accepted guesses with ``accept_drafts``, which
-also hands back the pages of rejected positions.
+decodes whose requests can speculate (a draft model proposes for them as one batch). A decode gets
+its guesses as ``ScheduledChunk.draft_token_ids``, computed in the same chunk (1 + k query tokens,
+a small prefill chunk, so it takes a prefill slot), and they count against the token budget. Pages
+are only taken for them when free ones are there (no preemption for a guess). ``update`` counts
+only the known tokens as computed; the engine reports the accepted guesses with ``accept_drafts``,
+which also hands back the pages of rejected positions.
 """
 from __future__ import annotations
 
