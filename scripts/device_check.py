@@ -463,6 +463,7 @@ def engine(args, report):
         out.update(serving_compiles=len(compiles), serving_s=wall, generated_tokens=generated,
                    tokens_per_s=generated / wall, backend=jax.default_backend())
         logged("jaxrunner", {k: out[k] for k in ("serving_compiles", "serving_s", "tokens_per_s")})
+        llm.engine_loop.close()  # no engine thread left running beside torch's, nor at exit
         del llm
         out["transformers"] = guarded(lambda: transformers_baseline(ckpt, prompts, new_tokens))
         logged("transformers", out["transformers"])
