@@ -42,6 +42,7 @@ GREEDY = SamplingRow()
 class _DraftSeq:
     token_ids: list[int]  # the tokens whose KV the draft pool holds, from position 0
     pages: list[int]
+    num_confirmed: int = 0  # how many of them are the request's own (the rest: proposals fed back)
 
 
 @dataclasses.dataclass
@@ -96,7 +97,9 @@ class DraftModelProposer:
         pool cannot hold it."""
         seq = self._seqs.pop(request_id, None) or _DraftSeq([], [])
         self._seqs[request_id] = seq  # now the most recent
-        del seq.token_ids[_common_prefix(seq.token_ids, token_ids, len(token_ids) - 1):]
+        agreed = _common_prefix(seq.token_ids, token_ids, seq.num_confirmed, len(token_ids) - 1)
+        del seq.token_ids[agreed:]
+        seq.num_confirmed = min(seq.num_confirmed, agreed)
         needed = math.ceil((len(token_ids) + k - 1) / self.page_size) - len(seq.pages)
         while needed > len(self._free_pages):
             victim = next((other for other in self._seqs if other not in asked), None)
@@ -115,6 +118,7 @@ class DraftModelProposer:
                                                         for query in batch]))]
         for query in batch:
             query.seq.token_ids += query.pending
+            query.seq.num_confirmed = len(query.seq.token_ids)
         for j in range(1, batch[0].num_proposals):
             live = [query for query in batch if query.num_proposals > j]
             outputs.append(self.runner.dispatch(*self._packed([self._fed_row(query.seq, slot, j)
@@ -165,10 +169,14 @@ class DraftModelProposer:
         return bucket, lay_out(bucket, self.page_size, rows)
 
 
-def _common_prefix(a: list[int], b: list[int], most: int) -> int:
+def _common_prefix(a: list[int], b: list[int], start: int, most: int) -> int:
+    """Length of the prefix ``a`` and ``b`` share (at most ``most``), known to hold up to ``start``:
+    only the proposals a request's draft state ends with are compared, not its whole history."""
     n = min(len(a), len(b), most)
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
+    if start >= n:
+        return n
+    differ = np.flatnonzero(np.asarray(a[start:n]) != np.asarray(b[start:n]))
+    return start + int(differ[0]) if len(differ) else n
 
 
 def start_draft_proposer(config: EngineConfig, draft: LoadedModel, max_model_len: int,
