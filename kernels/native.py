@@ -229,6 +229,8 @@ def quantized_matmul_supported(x, w: dict) -> bool:
     packed, scales = w["packed"], w["scales"]
     if x.ndim != 2 or packed.ndim != 2 or scales.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         return False
+    if scales.dtype not in (jnp.float16, jnp.float32) or w.get("offsets", scales).dtype != scales.dtype:
+        return False
     int4 = packed.dtype == jnp.uint8
     if not int4 and packed.dtype != jnp.int8:
         return False
@@ -248,13 +250,13 @@ def quantized_matmul_native(x, w: dict):
     offsets = w.get("offsets")
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET_NAME,
                             jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
-    return call(x, w["packed"], w["scales"], jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets,
-                has_offsets=np.int64(offsets is not None))
+    return call(x, w["packed"], w["scales"], _offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
 
 
 def dequantize_native(w: dict, after=None):
     """The float32 [N, K] a weight-only leaf stands for, unpacked on all threads (for products
-    that XLA's dot takes; see ``cpu/quant_matmul.cc``). Groups must be whole runs of 32.
+    that XLA's dot takes; see ``cpu/quant_matmul.cc``). Groups must be whole runs of 32, scales
+    and offsets both float32 or both float16.
 
     ``after``: an array the call takes but never reads, so that XLA runs it once ``after`` exists
     (pass the product's activations). Without it, nothing tied the call to its layer, and XLA ran
@@ -264,4 +266,10 @@ def dequantize_native(w: dict, after=None):
     k = packed.shape[1] * (2 if packed.dtype == jnp.uint8 else 1)
     call = jax.ffi.ffi_call(DEQUANTIZE_TARGET_NAME, jax.ShapeDtypeStruct((packed.shape[0], k), jnp.float32))
     return call(jnp.zeros((1,), jnp.float32) if after is None else after, packed, w["scales"],
-                jnp.zeros((1, 1), jnp.float32) if offsets is None else offsets, has_offsets=np.int64(offsets is not None))
+                _offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
+
+
+def _offsets_or_placeholder(w: dict):
+    """The leaf's offsets, or an unread array of its scales' dtype (the kernel takes both typed alike)."""
+    offsets = w.get("offsets")
+    return jnp.zeros((1, 1), w["scales"].dtype) if offsets is None else offsets

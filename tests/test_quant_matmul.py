@@ -50,6 +50,24 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
 
 
+@needs_native
+@pytest.mark.parametrize("fmt,n", [("int8", 8200), ("int4", 16400)])  # over 4 MiB packed: helpers join
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_kernel_takes_float16_scales_and_big_products(fmt, n, rows):
+    """A GGUF's leaves keep float16 scales and offsets, and a tied LM head is big enough that the
+    kernel splits it over threads: both match the oracle like the small float32 cases."""
+    x, _, leaf = _case(fmt, 32, rows, jnp.float32, k=512, n=n)
+    leaf = {name: part if name == "packed" else part.astype(np.float16) for name, part in leaf.items()}
+    w = {name: jnp.asarray(part) for name, part in leaf.items()}
+    assert native.quantized_matmul_supported(x, w)
+    got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
+    want, magnitude = _oracle(x, leaf)
+    bound = 4 * x.shape[1] * np.finfo(np.float32).eps * magnitude + 1e-30
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    unpacked = np.asarray(jax.jit(native.dequantize_native)(w))
+    np.testing.assert_array_equal(unpacked, np.asarray(quant.dequantize(leaf, np.float32)))
+
+
 @pytest.mark.parametrize("fmt,group", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("where", ["here", "xla"])

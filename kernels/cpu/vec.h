@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -74,6 +74,28 @@ inline float ToF32(uint16_t bf16_bits) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+// IEEE float16 bits -> float32 (the scales of a GGUF's quantized blocks are kept as float16).
+inline float HalfToF32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+  uint32_t bits;
+  if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    float f = float(mantissa) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &f, sizeof f);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+#endif
+}
+
 // A software prefetch of one cache line into L2, which the compiler keeps: GCC 12 at -O3 deleted
 // every __builtin_prefetch of the earlier page-ahead prefetch (it judged the helper pure and its
 // result unused).
