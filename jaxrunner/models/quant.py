@@ -17,9 +17,11 @@ groups contiguous, as in a GGUF block)::
 
     {"packed": int8 [N, K] | uint8 [N, K/2], "scales": float32 [N, G], "offsets": float32 [N, G]}
 
-``offsets`` only for int4; ``G = K / group_size`` (1 for per-channel int8). int4 nibbles follow
-GGUF's ``Q4_0`` block layout: in each run of 32 inputs, byte ``i`` holds input ``i`` in its low
-nibble and input ``i + 16`` in its high one, so a 16-byte load unpacks into two 16-lane vectors.
+``offsets`` only for int4; ``G = K / group_size`` (1 for per-channel int8). Scales and offsets
+taken from a GGUF's ``Q4_0``/``Q4_1``/``Q8_0`` blocks keep the file's float16 (both alike):
+float32 copies added a third to the bytes an int4 decode step reads. int4 nibbles follow GGUF's
+``Q4_0`` block layout: in each run of 32 inputs, byte ``i`` holds input ``i`` in its low nibble
+and input ``i + 16`` in its high one, so a 16-byte load unpacks into two 16-lane vectors.
 A ``"w8a8"`` leaf keeps the float layout ``[K, N]``: ``{"q": int8 [K, N], "scale": float32 [N]}``.
 
 Which leaves are quantized goes by leaf name (:data:`QUANTIZED_WEIGHTS`); norms, biases and an
@@ -113,9 +115,9 @@ def dequantize(w: dict, dtype=jnp.float32):
     *lead, n, k = q.shape
     groups = w["scales"].shape[-1]
     q = q.astype(xp.float32).reshape(*lead, n, groups, k // groups)
-    out = q * w["scales"][..., None]
+    out = q * w["scales"][..., None].astype(xp.float32)
     if "offsets" in w:
-        out = out + w["offsets"][..., None]
+        out = out + w["offsets"][..., None].astype(xp.float32)
     return out.reshape(*lead, n, k).astype(dtype)
 
 
