@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "helper_thread.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -235,25 +236,26 @@ void RunTiles(ffi::ThreadPool& pool, const Problem& p) {
   RunItems<TileScratch>(pool, items, [p](int64_t item, TileScratch& scratch) { TileItem<QT>(p, item, scratch); });
 }
 
-// Few rows run on the calling thread alone unless the weights are big. A helper from XLA's pool
-// takes tens of microseconds to wake, about what one of a decode step's layer products takes in
-// all (a batch-1 int4 step ran about an eighth faster without helpers), while a product of
-// several megabytes, such as a tied LM head, reads about twice as fast on two threads.
-constexpr int64_t kPooledBytes = int64_t(4) << 20;  // packed bytes from which helpers join
-constexpr int64_t kOutputsPerPooledItem = 256;
+// Few rows: a product under a few megabytes shares its outputs with the one HelperThread, which
+// a decode step's next product finds awake (a batch-1 int4 step ran about a tenth faster than on
+// the calling thread alone). A helper from XLA's pool takes about as long to wake as such a
+// product takes in all (with those, the step was slower than on one thread). A product of
+// several megabytes, such as a tied LM head, spreads over all of XLA's threads.
+constexpr int64_t kPooledBytes = int64_t(4) << 20;  // packed bytes from which XLA's threads join
+
+template <int M, typename QT>
+void OutputsItem(const void* problem, int64_t item) {
+  const Problem& p = *static_cast<const Problem*>(problem);
+  const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+  for (int64_t n = item * kOutputsPerItem; n < n1; ++n) Output<M, QT>(p, n);
+}
 
 template <int M, typename QT>
 void Run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t row_bytes = std::is_same<QT, uint8_t>::value ? p.k / 2 : p.k;
-  if (p.n * row_bytes < kPooledBytes) {
-    for (int64_t n = 0; n < p.n; ++n) Output<M, QT>(p, n);
-    return;
-  }
-  const int64_t items = (p.n + kOutputsPerPooledItem - 1) / kOutputsPerPooledItem;
-  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) {
-    const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerPooledItem);
-    for (int64_t n = item * kOutputsPerPooledItem; n < n1; ++n) Output<M, QT>(p, n);
-  });
+  const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
+  if (p.n * row_bytes < kPooledBytes) return HelperThread::Run(OutputsItem<M, QT>, &p, items);
+  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { OutputsItem<M, QT>(&p, item); });
 }
 
 template <typename QT>
