@@ -133,6 +133,20 @@ void OutputInt4(const Problem& p, int64_t n) {
   }
   for (int m = 0; m < M; ++m) p.y[m * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[m], acc_hi[m]));
 }
+
+inline void DequantizeRowInt4(const Problem& p, int64_t n, float* out) {
+  const uint8_t* row = static_cast<const uint8_t*>(p.packed) + n * (p.k / 2);
+  const int64_t runs_per_group = p.k / p.groups / kRun;
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    const __m512 table = GroupTable(p, n, g);
+    for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += 16) {
+      __m512 lo, hi;
+      LookUp(row, table, lo, hi);
+      _mm512_storeu_ps(out + k, lo);
+      _mm512_storeu_ps(out + k + 16, hi);
+    }
+  }
+}
 #endif
 
 template <int M, typename QT>
@@ -169,6 +183,9 @@ struct NoScratch {};
 
 template <typename QT>
 void DequantizeRow(const Problem& p, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<QT, uint8_t>::value) return DequantizeRowInt4(p, n, out);
+#endif
   constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;
   const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
   const int64_t runs_per_group = p.k / p.groups / kRun;
@@ -177,15 +194,6 @@ void DequantizeRow(const Problem& p, int64_t n, float* out) {
     const F16 o = Splat(p.Offset(n * p.groups + g));
     for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += kRunBytes) {
       F16 lo, hi;
-#if defined(__AVX512F__)
-      if constexpr (std::is_same<QT, uint8_t>::value) {
-        __m512 l, h;
-        LookUp(row, GroupTable(p, n, g), l, h);
-        _mm512_storeu_ps(out + k, l);
-        _mm512_storeu_ps(out + k + 16, h);
-        continue;
-      }
-#endif
       Unpack(row, lo, hi);
       lo = lo * s + o;
       hi = hi * s + o;
