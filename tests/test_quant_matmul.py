@@ -51,7 +51,7 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("fmt,n", [("int8", 8200), ("int4", 16400)])  # over 4 MiB packed: helpers join
+@pytest.mark.parametrize("fmt,n", [("int8", 8200), ("int4", 16400)])  # over 4 MiB packed: XLA's threads join
 @pytest.mark.parametrize("rows", [1, 3])
 def test_native_kernel_takes_float16_scales_and_big_products(fmt, n, rows):
     """A GGUF's leaves keep float16 scales and offsets, and a tied LM head is big enough that the

@@ -15,7 +15,7 @@ Formats (``EngineConfig.quantization``):
 A weight-only leaf is a dict, in the torch ``[out, in]`` = ``[N, K]`` orientation (each output's
 groups contiguous, as in a GGUF block)::
 
-    {"packed": int8 [N, K] | uint8 [N, K/2], "scales": float32 [N, G], "offsets": float32 [N, G]}
+    {"packed": int8 [N, K] | uint8 [N, K/2], "scales": float32 | float16 [N, G], "offsets": like scales}
 
 ``offsets`` only for int4; ``G = K / group_size`` (1 for per-channel int8). Scales and offsets
 taken from a GGUF's ``Q4_0``/``Q4_1``/``Q8_0`` blocks keep the file's float16 (both alike):
