@@ -17,10 +17,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "helper_thread.h"
+#include "quant_dot_vnni.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -70,6 +72,10 @@ struct Problem {
   const void* offsets;   // [n, groups] like scales, or null
   float* y;              // [rows, n]
   bool half_scales;
+#if JAXRUNNER_QUANT_DOT_VNNI
+  const QuantizedX* qx = nullptr;  // x for the integer dot products (few rows), or null
+  QuantWeights Weights(bool int4) const { return {packed, scales, offsets, half_scales, int4, n, k, groups}; }
+#endif
 
   float Scale(int64_t i) const { return ScaleAt(scales, i); }
   float Offset(int64_t i) const { return offsets == nullptr ? 0.0f : ScaleAt(offsets, i); }
@@ -255,6 +261,14 @@ template <int M, typename QT>
 void OutputsItem(const void* problem, int64_t item) {
   const Problem& p = *static_cast<const Problem*>(problem);
   const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
+#if JAXRUNNER_QUANT_DOT_VNNI
+  if (p.qx != nullptr) {
+    constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
+    const QuantWeights w = p.Weights(kInt4);
+    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputVnni<M, kInt4>(w, *p.qx, n, p.y);
+    return;
+  }
+#endif
   for (int64_t n = item * kOutputsPerItem; n < n1; ++n) Output<M, QT>(p, n);
 }
 
@@ -312,9 +326,13 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   const int64_t group = k / groups;
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / group] += x32[m * k + i];
-  const Problem p{rows, k, n, groups, x32.data(), xsum.data(), packed.untyped_data(),
-                  scales.untyped_data(), has_offsets ? offsets.untyped_data() : nullptr,
-                  static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
+  Problem p{rows, k, n, groups, x32.data(), xsum.data(), packed.untyped_data(),
+            scales.untyped_data(), has_offsets ? offsets.untyped_data() : nullptr,
+            static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
+#if JAXRUNNER_QUANT_DOT_VNNI
+  std::unique_ptr<QuantizedX> qx;
+  if (rows <= kMaxRows) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
+#endif
   if (int4) RunRows<uint8_t>(pool, p);
   else RunRows<int8_t>(pool, p);
   return ffi::Error::Success();
