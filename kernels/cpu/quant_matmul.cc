@@ -10,7 +10,9 @@
 // in registers; nothing the size of the float weight is ever written. Per group, the codes'
 // products with x accumulate in float32 and are scaled once; the offsets contribute
 // offset * sum(x over the group), with the sums computed once per call. With AVX-512, int4
-// instead looks each code up in its group's sixteen weight values (OutputInt4).
+// instead looks each code up in its group's sixteen weight values (OutputInt4). With AVX512-VNNI,
+// products of up to kMaxRows rows are integer dot products on x rounded to 16 bits per run of 32
+// inputs instead (quant_dot_vnni.h): about half the vector instructions per weight.
 //
 // Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
 // same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
