@@ -155,12 +155,67 @@ inline void DequantizeRowInt4(const Problem& p, int64_t n, float* out) {
     }
   }
 }
+#elif defined(__AVX2__)
+// AVX2 without AVX-512: the same float form as the portable Output below, in 256-bit registers.
+// GCC compiles the portable form's arrays of 64-byte vectors for AVX2 by moving every partial
+// sum through the stack and general registers each run: about six times slower per weight.
+template <typename QT>
+inline void Unpack8(const QT* run, __m256 w[4]) {  // the 32 weights of one run, 8 per register
+  if constexpr (std::is_same<QT, uint8_t>::value) {  // int4: low nibbles are 0..15, high 16..31
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(run)), nibble = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  } else {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(run));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  }
+}
+
+inline float Sum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+template <int M, typename QT>
+void OutputAvx2(const Problem& p, int64_t n) {
+  constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;
+  const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
+  const int64_t runs_per_group = p.k / p.groups / kRun;
+  __m256 acc[M];
+  float off[M] = {};
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0, k = 0; g < p.groups; ++g) {
+    __m256 part[M];
+    for (int m = 0; m < M; ++m) part[m] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < runs_per_group; ++r, k += kRun, row += kRunBytes) {
+      __m256 w[4];
+      Unpack8(row, w);
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 4; ++j) part[m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(p.x + m * p.k + k + 8 * j), part[m]);
+    }
+    const __m256 s = _mm256_set1_ps(p.Scale(n * p.groups + g));
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(part[m], s, acc[m]);
+    if (p.offsets != nullptr)
+      for (int m = 0; m < M; ++m) off[m] += p.Offset(n * p.groups + g) * p.xsum[m * p.groups + g];
+  }
+  for (int m = 0; m < M; ++m) p.y[m * p.n + n] = Sum8(acc[m]) + off[m];
+}
 #endif
 
 template <int M, typename QT>
 void Output(const Problem& p, int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same<QT, uint8_t>::value) return OutputInt4<M>(p, n);
+#elif defined(__AVX2__)
+  return OutputAvx2<M, QT>(p, n);
 #endif
   constexpr int64_t kRunBytes = std::is_same<QT, uint8_t>::value ? 16 : 32;  // bytes per run
   const QT* row = static_cast<const QT*>(p.packed) + n * (p.k / kRun) * kRunBytes;
