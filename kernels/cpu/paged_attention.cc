@@ -63,25 +63,33 @@ inline void FromF32(float x, uint16_t* out) {  // round to nearest even, NaN sta
 // exp(x) for x <= 0 (softmax after subtracting the max), 16 lanes at a time: 2^(x log2 e) split
 // into 2^integer (exponent bits) and 2^fraction (degree-6 polynomial, relative error ~2e-7).
 // Lanes below -87 flush to 0. libm's expf is scalar and was most of a decode item's time.
-inline F16 Exp(F16 x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
-  F16 t = x * Splat(1.44269504088896341f);
-  F16 fl = __builtin_convertvector(__builtin_convertvector(t, I16), F16);
-  fl = fl > t ? fl - Splat(1.0f) : fl;  // floor
-  F16 f = t - fl;                        // [0, 1)
-  F16 p = Splat(1.535336188319500e-4f);
-  p = p * f + Splat(1.339887440266574e-3f);
-  p = p * f + Splat(9.618437357674640e-3f);
-  p = p * f + Splat(5.550332471162809e-2f);
-  p = p * f + Splat(2.402264791363012e-1f);
-  p = p * f + Splat(6.931472028550421e-1f);
-  p = p * f + Splat(1.0f);
-  I16 e = (__builtin_convertvector(fl, I16) + 127) << 23;
-  F16 scale;
+template <typename V, typename IV>  // V: float vector, IV: int32 vector of the same lanes
+inline V ExpLanes(V x) {
+  const V low = V{} - 87.0f;
+  x = x < low ? low : x;
+  V t = x * 1.44269504088896341f;
+  V fl = __builtin_convertvector(__builtin_convertvector(t, IV), V);
+  fl = fl > t ? fl - 1.0f : fl;  // floor
+  V f = t - fl;                   // [0, 1)
+  V p = V{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  IV e = (__builtin_convertvector(fl, IV) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof scale);
-  F16 r = p * scale;
-  return x <= Splat(-87.0f) ? Splat(0.0f) : r;
+  V r = p * scale;
+  return x <= low ? V{} : r;
 }
+
+#if JAXRUNNER_F16_HALVES
+inline F16 Exp(F16 x) { return {ExpLanes<F8, I8>(x.lo), ExpLanes<F8, I8>(x.hi)}; }
+#else
+inline F16 Exp(F16 x) { return ExpLanes<F16, I16>(x); }
+#endif
 
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim;
