@@ -43,13 +43,17 @@ struct QuantWeights {
   const void* offsets;  // or null
   bool half_scales, int4;
   int64_t n, k, groups;
+
+  float ValueAt(const void* values, int64_t i) const {  // a scale or offset, float16 or float32
+    return half_scales ? HalfToF32(static_cast<const uint16_t*>(values)[i]) : static_cast<const float*>(values)[i];
+  }
 };
 
 // x [rows, k] as int8 planes per block, with per-run dx, float sums, and the int8 bias term.
 class QuantizedX {
  public:
   QuantizedX(const float* x, int64_t rows, int64_t k, bool int4)
-      : rows_(rows), runs_(k / kRunInputs), chunks_((runs_ + 15) / 16), int4_(int4),
+      : runs_(k / kRunInputs), chunks_((runs_ + 15) / 16), int4_(int4),
         runs_per_block_(int4 ? 4 : 2), blocks_((runs_ + runs_per_block_ - 1) / runs_per_block_),
         planes_(rows * blocks_ * 256, 0), dx_(rows * chunks_ * 16, 0.0f), sum_(dx_.size(), 0.0f),
         bias_(dx_.size(), 0.0f) {
@@ -58,8 +62,6 @@ class QuantizedX {
   }
 
   int64_t runs() const { return runs_; }
-  int64_t blocks() const { return blocks_; }
-  int64_t runs_per_block() const { return runs_per_block_; }
   const int8_t* Planes(int64_t m, int64_t block) const { return planes_.data() + (m * blocks_ + block) * 256; }
   __m512 Dx(int64_t m, int64_t chunk) const { return _mm512_loadu_ps(dx_.data() + (m * chunks_ + chunk) * 16); }
   __m512 Sum(int64_t m, int64_t chunk) const { return _mm512_loadu_ps(sum_.data() + (m * chunks_ + chunk) * 16); }
@@ -96,7 +98,7 @@ class QuantizedX {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo_out), _mm512_cvtepi32_epi8(lo));
   }
 
-  int64_t rows_, runs_, chunks_;
+  int64_t runs_, chunks_;
   bool int4_;
   int64_t runs_per_block_, blocks_;
   std::vector<int8_t> planes_;           // [rows, blocks, 4 (int4) or 2 used of 4, 64]
@@ -113,14 +115,10 @@ inline __m512 RunValues(const QuantWeights& w, const void* values, int64_t n, in
     return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(values) + at);
   }
   if (w.groups == 1) {  // one scale per output (per-channel int8)
-    const float value = w.half_scales ? _cvtsh_ss(static_cast<const uint16_t*>(values)[n]) : static_cast<const float*>(values)[n];
-    return _mm512_maskz_mov_ps(mask, _mm512_set1_ps(value));
+    return _mm512_maskz_mov_ps(mask, _mm512_set1_ps(w.ValueAt(values, n)));
   }
   alignas(64) float lanes[16] = {};
-  for (int64_t j = 0; j < count; ++j) {
-    const int64_t at = n * w.groups + (first + j) / runs_per_group;
-    lanes[j] = w.half_scales ? _cvtsh_ss(static_cast<const uint16_t*>(values)[at]) : static_cast<const float*>(values)[at];
-  }
+  for (int64_t j = 0; j < count; ++j) lanes[j] = w.ValueAt(values, n * w.groups + (first + j) / runs_per_group);
   return _mm512_load_ps(lanes);
 }
 

@@ -379,16 +379,19 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   } else {
     std::memcpy(x32.data(), x.untyped_data(), rows * k * sizeof(float));
   }
-  const int64_t group = k / groups;
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / group] += x32[m * k + i];
   Problem p{rows, k, n, groups, x32.data(), xsum.data(), packed.untyped_data(),
             scales.untyped_data(), has_offsets ? offsets.untyped_data() : nullptr,
             static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
 #if JAXRUNNER_QUANT_DOT_VNNI
-  std::unique_ptr<QuantizedX> qx;
+  std::unique_ptr<QuantizedX> qx;  // keeps its own sums of x, per run
   if (rows <= kMaxRows) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
+  if (p.qx == nullptr)
 #endif
+  {
+    const int64_t group = k / groups;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / group] += x32[m * k + i];
+  }
   if (int4) RunRows<uint8_t>(pool, p);
   else RunRows<int8_t>(pool, p);
   return ffi::Error::Success();
