@@ -2,13 +2,21 @@
 says which of them run here (installed as ``jaxrunner.kernels``). Everything outside the package
 uses these names only; its modules are private."""
 if __name__ != "jaxrunner.kernels":
-    # Found under the top-level name `kernels` because the repository root is on sys.path (a shell
-    # or `python -m pytest` in the checkout). That name belongs to another PyPI project which
-    # transformers probes for by importing it; raising here would break `import transformers`.
-    # Instead look like an empty namespace package: the probe then reports "not installed"
-    # (transformers checks for a missing __file__) and nothing of ours is reachable as `kernels`.
-    __file__ = None
-    __path__ = []
+    # Found under the top-level name `kernels` because the repository root is on sys.path (a script,
+    # a notebook or `python -m ...` started in the checkout). That name belongs to another PyPI project,
+    # which transformers imports names from when it is installed. Step aside: load the installed
+    # project in our place, or, when there is none, look like an empty namespace package (transformers
+    # then reports "not installed": no version and no __file__). Nothing of ours is reachable as `kernels`.
+    import sys as _sys
+
+    from jaxrunner._shadowed_import import load_shadowed_package as _load_shadowed
+
+    _installed = _load_shadowed(__name__, __spec__)
+    if _installed is not None:
+        _sys.modules[__name__] = _installed  # the import statement returns what sys.modules holds
+    else:
+        __file__ = None
+        __path__ = []
 else:
     from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES, ATTENTION_IMPLS
     from jaxrunner.kernels.blocks import SCRATCH_PAGE

@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny random-weight checkpoints built with transformers, saved locally (offline)."""
+"""Shared fixtures: tiny random-weight checkpoints built with transformers, saved locally (offline).
+
+Choosing a test's dtype: every test passes on every CPU kind this suite runs on (AVX2 only; AVX-512
+with BF16; AMX). ``dtype="auto"`` is float32 on some of them and bfloat16 on others, and greedy text
+differs between the two. A test that compares against fixed text or fixed tokens pins the dtype
+(``dtype="float32"``), or compares against a reference computed in the same run with the same dtype.
+Only tests of the choice itself, or that check no particular text, leave it at "auto".
+"""
 from __future__ import annotations
 
 import importlib.util

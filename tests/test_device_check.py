@@ -1,5 +1,6 @@
-"""The device check runs end to end: every section of ``scripts/device_check.py --smoke`` (CPU,
-tiny shapes, Pallas interpreted, a tiny engine from the committed assets) writes its results."""
+"""The device check runs end to end as the GPU run starts it: ``scripts/device_check.sh --smoke`` (from
+the repository root; CPU, tiny shapes, Pallas interpreted, a tiny engine from the committed assets)
+writes every section's results."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_device_check_smoke(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "device_check.py"), "--smoke",
-                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "device_check.sh"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=900)
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["smoke"] and report["backend"] == "cpu"

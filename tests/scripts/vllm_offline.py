@@ -7,8 +7,9 @@ from jaxrunner import LLM, SamplingParams  # vLLM: from vllm import LLM, Samplin
 
 
 def main():
-    llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=1024, gpu_memory_utilization=0.5,
-              max_num_seqs=8, max_num_batched_tokens=128, seed=0)
+    # float32 pinned: "auto" is bfloat16 on CPUs with bf16 dot products, where greedy text differs
+    llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32", max_model_len=1024,
+              gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=128, seed=0)
 
     prompts = ["Hello, my name is", "The capital of France is", "The future of AI is", "Count: one, two, three,"]
     sampling_params = [
