@@ -154,6 +154,35 @@ def test_async_callers_get_their_own_streams_and_cancelled_ones_free_pages(llm, 
     assert_all_pages_free(llm)
 
 
+def test_abort_from_another_task_ends_the_consumer_with_finish_reason_abort(llm, prompts):
+    """``AsyncLLM.abort(request_id)`` from elsewhere ends the ``generate()`` consumer with a final output
+    (``finish_reason="abort"``, the text so far), as vLLM does; before and after the request reached
+    the engine."""
+    async_llm = AsyncLLM(llm)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def consume(request_id):
+        outputs = [output async for output in async_llm.generate(prompts[1], long, request_id=request_id)]
+        return outputs[-1]
+
+    async def main():
+        started = asyncio.create_task(consume("abort-running"))
+        while llm.engine_loop.stats.running == 0:
+            await asyncio.sleep(0.005)
+        await async_llm.abort("abort-running")
+        queued = asyncio.create_task(consume("abort-queued"))
+        await asyncio.sleep(0)  # submitted, not yet taken by the loop thread
+        await async_llm.abort("abort-queued")
+        return await asyncio.wait_for(asyncio.gather(started, queued), timeout=60)
+
+    running, queued = asyncio.run(main())
+    for final in (running, queued):
+        assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert len(running.outputs[0].token_ids) < 200
+    wait_until_idle(llm)
+    assert_all_pages_free(llm)
+
+
 def test_a_failed_step_fails_its_callers_and_the_loop_goes_on(llm, prompts):
     runner = llm.engine.executor.runner
     fetch = runner.fetch

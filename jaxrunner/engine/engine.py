@@ -294,10 +294,14 @@ class LLMEngine:
         """Refuse a call from outside the engine loop's thread while a loop owns this engine."""
         _check_owner(self)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its final output (``finish_reason="abort"``), or
+        None for an id this engine does not hold."""
         self.check_caller()
-        if self.output_processor.abort_request(str(request_id)):
+        final = self.output_processor.abort_request(str(request_id))
+        if final is not None:
             self._replica_of.pop(str(request_id)).scheduler.abort(str(request_id))
+        return final
 
     def has_unfinished_requests(self) -> bool:
         return any(replica.scheduler.has_unfinished() for replica in self.replicas)

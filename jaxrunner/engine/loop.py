@@ -26,11 +26,21 @@ import time
 from typing import Callable
 
 from jaxrunner.engine.request import check_request_id_free
-from jaxrunner.outputs import RequestOutput
+from jaxrunner.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("jaxrunner")
 
 Sink = Callable[[object], None]  # receives RequestOutput, or the exception that ended the request
+
+
+class EngineLoopClosed(RuntimeError):
+    """What the requests in flight get when their engine loop is closed (a server shutting down)."""
+
+
+class EngineLoopDied(RuntimeError):
+    """The loop thread failed outside a step (a step's own failure fails only its requests): every
+    request in flight gets this, and so does every later submission. The engine's state is unknown,
+    so nothing is retried; a server reports unhealthy and exits."""
 
 
 @dataclasses.dataclass
@@ -58,13 +68,15 @@ class EngineLoop:
         self.idle_exit_s = idle_exit_s
         self._cond = threading.Condition()
         self._submissions: collections.deque[_Submission] = collections.deque()
-        self._aborts: collections.deque[str] = collections.deque()
+        # aborted ids, each with the sink that hears its final output (None: nobody is listening)
+        self._aborts: collections.deque[tuple[str, Sink | None]] = collections.deque()
         self._calls: collections.deque[tuple[Callable, concurrent.futures.Future]] = collections.deque()
         self._sinks: dict[str, Sink] = {}      # requests submitted and not finished or aborted
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._closing = False
+        self.failure: BaseException | None = None  # set when the loop thread died (EngineLoopDied)
         self.stats = LoopStats()
 
     # ------------------------------------------------------------------ callers' side (any thread)
@@ -80,6 +92,7 @@ class EngineLoop:
     def submit(self, request, sink: Sink, request_id: str | None = None) -> str:
         """Queue a validated request (``validate``'s result); its outputs go to ``sink``. Returns its id."""
         with self._cond:
+            self._check_alive()
             request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
             check_request_id_free(request_id, self._sinks)
             self._sinks[request_id] = sink
@@ -97,11 +110,14 @@ class EngineLoop:
             yield
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its pages are freed by the loop's next iteration. Unknown ids are ignored."""
+        """Stop a request; its pages are freed by the loop's next iteration, and its sink gets a final
+        output with ``finish_reason="abort"`` (the text so far), so a consumer waiting on it ends, as
+        in vLLM. A caller that aborts its own request may ignore that output. Unknown ids are ignored."""
         with self._cond:
-            if self._sinks.pop(request_id, None) is None:
+            sink = self._sinks.pop(request_id, None)
+            if sink is None:
                 return
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, sink))
             self._cond.notify()
 
     def run_on_engine(self, fn: Callable):
@@ -109,6 +125,7 @@ class EngineLoop:
         the loop owns the engine; else right here, holding the lock the loop takes the engine under,
         so no step can start meanwhile."""
         with self._cond:
+            self._check_alive()
             if self.engine.owner_thread is None:
                 return fn(self.engine)
             future: concurrent.futures.Future = concurrent.futures.Future()
@@ -122,16 +139,20 @@ class EngineLoop:
         so a process can exit without a step in flight. Later submissions start the loop again."""
         with self._cond:
             sinks, self._sinks = self._sinks, {}
-            self._aborts.extend(sinks)
+            self._aborts.extend((request_id, None) for request_id in sinks)
             self._closing = True
             thread = self._thread
             self._cond.notify()
         for sink in sinks.values():
-            _call(sink, RuntimeError("the engine loop was closed (server shutting down)"))
+            _call(sink, EngineLoopClosed("the engine loop was closed (server shutting down)"))
         if thread is not None:
             thread.join(timeout_s)
         with self._cond:
             self._closing = False
+
+    def sequence_slots(self) -> int:
+        """How many requests the engine runs at once (``max_num_seqs`` of every replica); more wait."""
+        return sum(replica.scheduler.config.max_num_seqs for replica in getattr(self.engine, "replicas", [self.engine]))
 
     def num_requests(self) -> int:
         """Requests submitted here and not yet finished or aborted."""
@@ -144,7 +165,33 @@ class EngineLoop:
             self._thread = threading.Thread(target=self._run, name="jaxrunner-engine-loop", daemon=True)
             self._thread.start()
 
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineLoopDied(f"the engine loop died: {type(self.failure).__name__}: {self.failure}")
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as err:  # noqa: BLE001 - every caller must hear of it, whatever it is
+            self._die(err)
+
+    def _die(self, err: BaseException) -> None:
+        logger.critical("the engine loop died; failing every request", exc_info=err)
+        with self._cond:
+            self.failure = err
+            sinks, self._sinks = self._sinks, {}
+            calls = list(self._calls)
+            self._submissions.clear()
+            self._aborts.clear()
+            self._calls.clear()
+            self._thread = None
+        died = EngineLoopDied(f"the engine loop died: {type(err).__name__}: {err}")
+        for sink in sinks.values():
+            _call(sink, died)
+        for _, future in calls:
+            future.set_exception(died)
+
+    def _serve(self) -> None:
         while True:
             work = self._wait_for_work()
             if work is None:
@@ -159,11 +206,14 @@ class EngineLoop:
                     self._fail(submission.request_id, RuntimeError(refusal))
                 for _, future in calls:
                     future.set_exception(RuntimeError(refusal))
+                for request_id, sink in aborts:  # never added: nothing to stop
+                    if sink is not None:
+                        _call(sink, _aborted_before_added(request_id))
                 continue
-            for request_id in aborts:
-                self.engine.abort_request(request_id)
             for submission in submissions:
                 self._add(submission)
+            for request_id, sink in aborts:
+                self._abort(request_id, sink)
             self._run_calls(calls)
             if self.engine.has_unfinished_requests():
                 self._step()
@@ -216,10 +266,15 @@ class EngineLoop:
             except Exception as err:  # the caller gets it; the loop goes on
                 future.set_exception(err)
 
+    def _abort(self, request_id: str, sink: Sink | None) -> None:
+        final = self.engine.abort_request(request_id)
+        if sink is not None:
+            _call(sink, final if final is not None else _aborted_before_added(request_id))
+
     def _add(self, submission: _Submission) -> None:
         with self._cond:
             if self._sinks.get(submission.request_id) is not submission.sink:
-                return  # aborted before it was added
+                return  # aborted before it was added: _abort answers it
         try:
             self.engine.add_request(submission.request_id, submission.request)
         except Exception as err:  # refused by the engine: its caller hears why, the loop goes on
@@ -271,6 +326,11 @@ class EngineLoop:
             pages_total=sum(s.allocator.num_usable_pages for s in schedulers),  # page 0 is scratch
             prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in schedulers),
             prompt_tokens=self._prompt_tokens)
+
+
+def _aborted_before_added(request_id: str) -> RequestOutput:
+    """The final output of a request aborted before the engine held it: nothing generated."""
+    return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
 
 
 def _call(sink: Sink, item) -> None:

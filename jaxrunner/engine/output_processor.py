@@ -64,9 +64,11 @@ class OutputProcessor:
             request, prompt, detokenizer, [] if params.logprobs is not None else None,
             [None] * request.num_prompt_tokens if params.prompt_logprobs is not None else None)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Forget the request (no output follows); False when it is not tracked."""
-        return self._states.pop(request_id, None) is not None
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget the request; its final output (the text so far, ``finish_reason="abort"``), or None
+        when it is not tracked."""
+        state = self._states.pop(request_id, None)
+        return None if state is None else self._output(state, finished=True, finish_reason="abort")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
@@ -160,14 +162,17 @@ class OutputProcessor:
         """The request's output now: its text so far (held back while a stop string may still be
         forming) and the text added since its previous output. Its state goes with its last one."""
         state = self._states[request.request_id]
-        finished = request.is_finished
-        delta = state.detokenizer.take_delta(finished=finished)
-        if finished:
+        if request.is_finished:
             del self._states[request.request_id]
+        return self._output(state, request.is_finished, request.finish_reason)
+
+    def _output(self, state: RequestState, finished: bool, finish_reason: str | None) -> RequestOutput:
+        request = state.request
+        delta = state.detokenizer.take_delta(finished=finished)
         completion = CompletionOutput(
             index=0, text=state.detokenizer.output_text, token_ids=list(request.output_token_ids),
             cumulative_logprob=state.cumulative_logprob, logprobs=state.logprobs,
-            finish_reason=request.finish_reason, stop_reason=state.stop_reason)
+            finish_reason=finish_reason, stop_reason=state.stop_reason)
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids), [completion],
                              finished=finished, num_cached_tokens=request.num_cached_tokens,
                              delta_text=delta, prompt_logprobs=state.prompt_logprobs,
