@@ -270,9 +270,12 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-queue: {args.max_queue} must be >= 0")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port: {args.port} must be in 1..65535")
+    if not args.shutdown_timeout > 0:
+        raise ValueError(f"--shutdown-timeout: {args.shutdown_timeout} must be > 0 seconds")
     _join_cluster(args)
     config = ServerConfig(model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
-                          api_key=args.api_key or os.environ.get("JAXRUNNER_API_KEY"), max_queue=args.max_queue)
+                          api_key=args.api_key or os.environ.get("JAXRUNNER_API_KEY"), max_queue=args.max_queue,
+                          shutdown_timeout_s=args.shutdown_timeout)
     return run_server(config, options)
 
 
@@ -280,7 +283,7 @@ def cmd_bench(args) -> int:
     import runpy
 
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    script = os.path.join(scripts, f"benchmark_{args.kind}.py")
+    script = os.path.join(scripts, "soak.py" if args.kind == "soak" else f"benchmark_{args.kind}.py")
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script}: benchmark scripts ship with the source tree (scripts/)")
     sys.argv = [script, *args.rest]
@@ -330,12 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: $JAXRUNNER_API_KEY, else no key)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     serve.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
+                       "after SIGINT/SIGTERM; those still running then end with an error event")
     serve.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     _add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="run a benchmark script (throughput, latency, serving, startup)")
-    bench.add_argument("kind", choices=["throughput", "latency", "serving", "startup"])
+    bench = sub.add_parser("bench", help="run a benchmark script (throughput, latency, serving, startup) or "
+                           "the soak run")
+    bench.add_argument("kind", choices=["throughput", "latency", "serving", "startup", "soak"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="flags passed to the script")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -330,6 +330,11 @@ def check_conversation(conversation) -> None:
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{index}].content: expected a string, got "
                              f"{type(message.get('content')).__name__}")
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer can take it
+            raise ValueError(f"messages[{index}].content: not valid Unicode text ({err.reason} at index "
+                             f"{err.start})") from None
 
 
 # vLLM's LLM(...) name -> jaxrunner's EngineConfig field for the same knob

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would overflow.
 GREEDY_TEMPERATURE = 1e-5
+# Above this temperature every token is about equally likely; larger values only risk overflow in
+# the sampler's float32 arithmetic (logits / temperature), so they are refused.
+MAX_TEMPERATURE = 1e4
 # Seeds are 64-bit (both halves feed the sampler's key), as torch generators take them in vLLM.
 SEED_RANGE = (0, 2**64)
 
@@ -87,7 +90,8 @@ class SamplingParams:
 
     def _check_floats(self) -> None:
         _require_number("temperature", self.temperature)
-        _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        _require(0 <= self.temperature <= MAX_TEMPERATURE, "temperature", self.temperature,
+                 f"must be in [0, {MAX_TEMPERATURE:g}]")
         _require_number("top_p", self.top_p)
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _require_number("min_p", self.min_p)

@@ -84,6 +84,12 @@ def metrics(base: str) -> dict[str, float]:
     return values
 
 
+def aborted_total(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    match = re.search(r'^jaxrunner:request_success_total\{finished_reason="abort"\} ([0-9.e+-]+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
 def wait_until_drained(base: str, timeout_s: float = 60) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -157,15 +163,16 @@ def test_64_streaming_clients_8_disconnect_and_every_page_comes_back(served):
     async def main():
         return await asyncio.gather(*(one(i) for i in range(64)))
 
-    before = metrics(base)
+    before, aborted_before = metrics(base), aborted_total(base)
     reasons = asyncio.run(main())
     assert [r for i, r in enumerate(reasons) if i % 8] == ["length"] * 56
     after = wait_until_drained(base, timeout_s=10)  # well before the 60 tokens the leavers asked for
     assert after["jaxrunner:kv_cache_pages_free"] > 0
-    # Only the 56 that stayed finished: the 8 that left were aborted, not run to their 60 tokens.
+    # The 8 that left were aborted, not run to their 60 tokens, and are counted with reason "abort".
     grew = {name: after[name] - before[name] for name in after}
-    assert grew["jaxrunner:generation_tokens_total"] == 56 * 6
-    assert grew["jaxrunner:request_success_total"] == 56
+    assert 56 * 6 + 8 <= grew["jaxrunner:generation_tokens_total"] < 56 * 6 + 8 * 60
+    assert grew["jaxrunner:request_success_total"] == 64
+    assert aborted_total(base) - aborted_before == 8
     assert grew["jaxrunner:time_to_first_token_seconds_count"] >= 64
 
 
@@ -205,14 +212,79 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(served, client):
     assert chat.status_code == 400 and "content" in chat.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
-    state.config.max_queue = 0
-    try:
-        busy = post(good)
-        assert busy.status_code == 503 and busy.headers["Retry-After"]
-    finally:
-        state.config.max_queue = 4096
     assert client.completions.create(**good).choices[0].text  # still serving
     assert [m.id for m in client.models.list().data] == [MODEL]
+    wait_until_drained(base)
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_hostile_bodies_get_400_and_the_same_connection_serves_the_next_request(served):
+    """Each body once gave a 500 (and a closed keep-alive connection) or a silent 200; each now gets
+    OpenAI's error naming the request's own field, and one client connection carries on throughout."""
+    base = served[0]
+    good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    chat = {"model": MODEL, "max_tokens": 2}
+    user = [{"role": "user", "content": "Hi"}]
+    cases = [
+        ("completions", {**good, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ("completions", {**good, "logit_bias": {"1.5": 1}}, 400, "logit_bias"),
+        ("chat/completions", {**chat, "messages": [{"role": "user", "content": "a \ud800 b"}]}, 400, "messages"),
+        ("completions", {**good, "model": "\ud800"}, 404, "model"),
+        ("completions", None, 400, None),  # JSON nested 10,000 levels
+        ("chat/completions", {**chat, "messages": user, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+        ("chat/completions", {**chat, "messages": user, "top_logprobs": 5}, 400, "top_logprobs"),
+        ("chat/completions", {**chat, "messages": user, "logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs"),
+        ("completions", {**good, "max_tokens": 10_000}, 400, "max_tokens"),
+        ("chat/completions", {**chat, "messages": user, "max_completion_tokens": 10_000}, 400,
+         "max_completion_tokens"),
+        ("completions", {**good, "temperature": 1e30}, 400, "temperature"),
+        ("completions", {**good, "n": 5000, "max_tokens": 1}, 400, "n"),
+    ]
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=60) as http:
+        for endpoint, body, status, param in cases:
+            content = "[" * 10_000 + "]" * 10_000 if body is None else json.dumps(body)
+            response = http.post(f"/{endpoint}", content=content)
+            assert response.status_code == status, (body if body is None else str(body)[:200], response.text)
+            error = response.json()["error"]
+            assert error["message"] and error["type"] and error["param"] == param, error
+            assert http.post("/completions", json=good).status_code == 200  # the same connection goes on
+    wait_until_drained(base)
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_admission_counts_free_sequence_slots_and_refuses_only_what_would_wait(served):
+    """With --max-queue 4 and 8 sequence slots, 12 requests at once are all taken (8 run, 4 wait),
+    however the burst lines up against the engine's steps; with the slots and the queue full, the
+    next is a 503 with Retry-After."""
+    base, _, state = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "Count from one to fifty:", "max_tokens": 48, "ignore_eos": True}
+
+    async def burst(count: int) -> list[int]:
+        async with httpx.AsyncClient(base_url=f"{base}/v1", headers=headers, timeout=120) as http:
+            responses = await asyncio.gather(*(http.post("/completions", json=body) for _ in range(count)))
+        return [r.status_code for r in responses]
+
+    async def full_then_one_more() -> int:
+        async with httpx.AsyncClient(base_url=f"{base}/v1", headers=headers, timeout=120) as http:
+            held = [asyncio.ensure_future(http.post("/completions", json={**body, "max_tokens": 120}))
+                    for _ in range(12)]
+            while served[1].engine_loop.num_requests() < 12:
+                await asyncio.sleep(0.01)
+            extra = await http.post("/completions", json=body)
+            await asyncio.gather(*held)
+            return extra
+
+    state.config.max_queue = 4
+    try:
+        assert asyncio.run(burst(12)) == [200] * 12
+        busy = asyncio.run(full_then_one_more())
+        assert busy.status_code == 503 and busy.headers["Retry-After"], busy.text
+    finally:
+        state.config.max_queue = 4096
     wait_until_drained(base)
 
 
@@ -248,30 +320,31 @@ def test_serve_checks_options_and_model_before_loading(args, message):
 
 
 def test_serve_subprocess_shuts_down_on_sigterm_with_exit_0(tiny_checkpoints):
+    """A stream that needs longer than the drain window (--shutdown-timeout) is ended by the server with
+    an error event and [DONE] before the process exits 0, not cut off."""
     port = free_port()
     env = dict(os.environ, JAXRUNNER_COMPILATION_CACHE=COMPILE_CACHE, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "jaxrunner", "serve", tiny_checkpoints["llama"], "--port",
-                             str(port), "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens",
-                             "32"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(port), "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                             "32", "--shutdown-timeout", "0.2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for_health(base, 300)
         done = httpx.post(f"{base}/v1/completions", timeout=60,
                           json={"model": tiny_checkpoints["llama"], "prompt": "Hello world", "max_tokens": 4})
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
-        in_flight = []
+        events: list[str] = []
 
-        def stream_long():  # still streaming when the signal arrives
+        def stream_long():  # still streaming when the drain window ends
             with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
-                    "model": tiny_checkpoints["llama"], "prompt": "Hello", "max_tokens": 100, "ignore_eos": True,
+                    "model": tiny_checkpoints["llama"], "prompt": "Hello", "max_tokens": 500, "ignore_eos": True,
                     "stream": True}) as response:
-                in_flight.append(response.status_code)
-                for _ in response.iter_lines():
-                    pass
+                events.extend(line for line in response.iter_lines() if line)
 
         client = threading.Thread(target=stream_long)
         client.start()
-        while not in_flight:
+        while len(events) < 2:
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
@@ -281,3 +354,42 @@ def test_serve_subprocess_shuts_down_on_sigterm_with_exit_0(tiny_checkpoints):
             proc.kill()
     assert proc.returncode == 0, stderr
     assert "ready at http://127.0.0.1" in stderr and "Traceback" not in stderr
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"], error
+
+
+def test_a_dead_engine_loop_turns_health_503_and_serve_exits_1(tiny_checkpoints, monkeypatch):
+    """The engine loop's thread failing outside a step (injected into its bookkeeping) fails the request
+    in flight with a 503, turns /health to 503, and `run_server` stops and returns 1, so a supervisor
+    restarts the process instead of leaving it up and useless."""
+    from jaxrunner.engine import loop as loop_module
+    from jaxrunner.entrypoints.openai.api_server import run_server
+
+    model = tiny_checkpoints["llama"]
+    broken = threading.Event()
+    publish = loop_module.EngineLoop._publish_stats
+
+    def failing_publish(self):
+        if broken.is_set() and self.engine.config.model == model:
+            raise RuntimeError("injected: the loop thread fails outside a step")
+        publish(self)
+
+    monkeypatch.setattr(loop_module.EngineLoop, "_publish_stats", failing_publish)
+    config = ServerConfig(model=model, port=free_port())
+    exits: list[int] = []
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, compilation_cache_dir=COMPILE_CACHE)
+    server = threading.Thread(target=lambda: exits.append(run_server(config, options)), daemon=True)
+    server.start()
+    base = f"http://127.0.0.1:{config.port}"
+    wait_for_health(base, 300)
+    broken.set()
+    response = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "Hi", "max_tokens": 4})
+    assert response.status_code == 503 and "engine loop died" in response.json()["error"]["message"], response.text
+    try:
+        health = httpx.get(f"{base}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        health = None  # the server has already stopped
+    assert health in (503, None)
+    server.join(timeout=30)
+    assert exits == [1]

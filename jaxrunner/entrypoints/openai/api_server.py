@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import hmac
 import json
 import logging
 import signal
@@ -20,13 +22,16 @@ import threading
 import time
 import uuid
 
+import pydantic.json_schema
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrunner.async_llm import AsyncLLM, RequestStream
+from jaxrunner.engine.loop import EngineLoopClosed, EngineLoopDied
 from jaxrunner.entrypoints.openai import protocol
 from jaxrunner.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from jaxrunner.entrypoints.openai.protocol import RequestError
@@ -65,7 +70,14 @@ class ServerState:
         self.async_llm = AsyncLLM(llm)
         self.metrics.attach(self.async_llm.engine_loop)
 
+    @property
+    def engine_failure(self) -> BaseException | None:
+        """Why the engine loop died, or None while it serves."""
+        return None if self.async_llm is None else self.async_llm.engine_loop.failure
+
     def ready(self) -> AsyncLLM:
+        if self.engine_failure is not None:
+            raise RequestError("the engine failed; the server is exiting", status=503, kind="service_unavailable")
         if self.async_llm is None:
             raise RequestError("the model is still loading", status=503, kind="service_unavailable",
                                headers={"Retry-After": "5"})
@@ -73,13 +85,40 @@ class ServerState:
 
 
 # ---------------------------------------------------------------------------------------- the app
+class _JSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a body that echoes a client's lone surrogate (``"\\ud800"``) still
+    encodes, where Starlette's UTF-8 rendering would fail and turn a 400 or 404 into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _answering_errors(endpoint):
+    """Turn every failure of ``endpoint`` into a response here. Starlette re-raises what reaches its
+    catch-all handler after answering, and uvicorn then closes the connection: a client reusing it
+    for its next request would see a reset."""
+    @functools.wraps(endpoint)
+    async def answered(*args, **kwargs):
+        try:
+            return await endpoint(*args, **kwargs)
+        except RequestError as err:
+            return _http_error_response(err)
+        except (EngineLoopClosed, EngineLoopDied) as err:
+            return _http_error_response(_unavailable(err))
+        except Exception as err:  # an engine failure: this request only
+            logger.exception("request failed")
+            return _http_error_response(RequestError(f"{type(err).__name__}: {err}", status=500, kind="internal_error"))
+    return answered
+
+
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="jaxrunner OpenAI-compatible server", docs_url=None, redoc_url=None)
+    app = FastAPI(title="jaxrunner OpenAI-compatible server", docs_url=None, redoc_url=None,
+                  default_response_class=_JSONResponse)
     app.state.server = state
 
     @app.exception_handler(RequestError)
     async def _request_error(_, err: RequestError):
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return _http_error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, err: StarletteHTTPException):
@@ -93,7 +132,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if state.async_llm is not None else 503)
+        return Response(status_code=200 if state.async_llm is not None and state.engine_failure is None else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -107,26 +146,52 @@ def build_app(state: ServerState) -> FastAPI:
             card["max_model_len"] = state.async_llm.engine.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(protocol.CompletionRequest))
+    @_answering_errors
     async def completions(request: Request):
         body = await _read_body(state, request)
         return await _completions(state, request, protocol.parse(protocol.CompletionRequest, body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(protocol.ChatCompletionRequest))
+    @_answering_errors
     async def chat_completions(request: Request):
         body = await _read_body(state, request)
         return await _chat_completions(state, request, protocol.parse(protocol.ChatCompletionRequest, body))
 
+    app.openapi = functools.partial(_openapi_with_bodies, app)
     return app
 
 
+def _body_schema(model) -> dict:
+    """The endpoint's documented body: the endpoints read the body themselves (our errors, not
+    FastAPI's 422s), so FastAPI cannot see it; clients and fuzzers read it from /openapi.json."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_with_bodies(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, definitions = pydantic.json_schema.models_json_schema(
+            [(protocol.CompletionRequest, "validation"), (protocol.ChatCompletionRequest, "validation")],
+            ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _unavailable(err: EngineLoopClosed | EngineLoopDied) -> RequestError:
+    return RequestError(str(err), status=503, kind="service_unavailable")
+
+
 def _http_error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return _JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _check_key(state: ServerState, request: Request) -> None:
     key = state.config.api_key
-    if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+    sent = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+    if key is not None and not hmac.compare_digest(sent, f"Bearer {key}".encode()):  # constant time
         raise RequestError("missing or wrong API key (send 'Authorization: Bearer <key>')", status=401,
                            kind="authentication_error")
 
@@ -146,6 +211,8 @@ async def _read_body(state: ServerState, request: Request):
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON too deeply") from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -167,39 +234,59 @@ class _Call:
     model: str
 
     def abort(self) -> None:
-        for stream in self.streams:
+        """Stop every choice still running; each counts as finished with reason "abort"."""
+        for stream, timer in zip(self.streams, self.timers):
+            if not stream.finished:
+                timer.aborted()
             stream.abort()
 
 
-def _start(state: ServerState, prompts: list, params, n: int, prefix: str) -> _Call:
-    """Validate every prompt, check the queue, then queue every sample of every prompt."""
+def _start(state: ServerState, prompts: list, params, n: int, prefix: str, max_tokens_field: str,
+           max_tokens: int | None, renames: dict | None = None) -> _Call:
+    """Validate every prompt, check the queue, then queue every sample of every prompt.
+    ``max_tokens`` is what the client asked for under ``max_tokens_field`` (None: not given)."""
     async_llm = state.ready()
     loop = async_llm.engine_loop
     valid = []
     for prompt in prompts:
         try:
-            valid.append(loop.validate(prompt, params))
+            request = loop.validate(prompt, params)
         except ValueError as err:
-            raise RequestError(str(err), param=str(err).split(":")[0].split("[")[0]) from None
-    waiting = loop.num_requests() - loop.stats.running
-    if waiting + len(valid) * n > state.config.max_queue:
-        raise RequestError(f"server busy: {waiting} requests waiting (--max-queue {state.config.max_queue})",
-                           status=503, kind="service_unavailable", headers={"Retry-After": "1"})
+            raise RequestError(str(err), param=protocol.field_of(str(err), renames)) from None
+        protocol.check_max_tokens(max_tokens_field, max_tokens, len(request.prompt_token_ids),
+                                  async_llm.engine.max_model_len)
+        valid.append(request)
+    _admit(state, loop, len(valid) * n)
     streams, timers = [], []
     for request in valid:
         for index in range(n):
             sample = dataclasses.replace(request, sampling_params=protocol.sample_params(params, index))
-            timers.append(RequestTimer(state.metrics))
+            timers.append(RequestTimer(state.metrics, len(request.prompt_token_ids)))
             streams.append(RequestStream(loop, sample, None))
     return _Call(streams, timers, [len(r.prompt_token_ids) for r in valid], f"{prefix}-{uuid.uuid4().hex}",
                  int(time.time()), state.config.model_name)
+
+
+def _admit(state: ServerState, loop, new_requests: int) -> None:
+    """Requests beyond the engine's sequence slots wait; more than ``max_queue`` waiting is a 503 (try
+    again), and a call that could not be taken even by an idle server is a 400 (retrying never helps).
+    Counted from the loop's own request count, which is current when a burst arrives, not from the
+    step statistics, which lag until the next step."""
+    slots, limit = loop.sequence_slots(), state.config.max_queue
+    if new_requests > slots + limit:
+        raise RequestError(f"n: this request needs {new_requests} sequences (prompts x n); the server takes at "
+                           f"most {slots + limit} at once (max_num_seqs {slots} + --max-queue {limit})", param="n")
+    in_engine = loop.num_requests()
+    if in_engine + new_requests - slots > limit:
+        raise RequestError(f"server busy: {max(0, in_engine - slots)} requests waiting (--max-queue {limit})",
+                           status=503, kind="service_unavailable", headers={"Retry-After": "1"})
 
 
 async def _completions(state: ServerState, request: Request, body: protocol.CompletionRequest):
     _check_model(state, body.model)
     max_model_len = state.ready().engine.max_model_len
     params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len)
-    call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl")
+    call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl", "max_tokens", body.max_tokens)
     tokenizer = state.async_llm.engine.tokenizer
     if body.stream:
         return _event_stream(call, _completion_chunks(call, body.include_usage, body.logprobs, tokenizer))
@@ -219,11 +306,14 @@ async def _chat_completions(state: ServerState, request: Request, body: protocol
         prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt)
     except ValueError as err:
         raise RequestError(str(err), param="messages") from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, max_tokens_field)
+    protocol.check_top_logprobs(body)
     top = body.top_logprobs or 0
     params = protocol.sampling_params(body, max_tokens, max(top, 1) if body.logprobs else None,
                                       async_llm.engine.max_model_len)
-    call = _start(state, [prompt], params, body.n, "chatcmpl")
+    call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens,
+                  renames={"logprobs": "top_logprobs"})
     tokenizer = async_llm.engine.tokenizer
     top = top if body.logprobs else None
     if body.stream:
@@ -280,11 +370,10 @@ async def _merged(call: _Call):
             for task in done:
                 index = pending.pop(task)
                 output = task.result()
-                call.timers[index].output()
+                call.timers[index].output(len(output.outputs[0].token_ids))
                 if output.finished:
                     completion = output.outputs[0]
-                    call.timers[index].finished(len(output.prompt_token_ids), len(completion.token_ids),
-                                                completion.finish_reason)
+                    call.timers[index].finished(len(completion.token_ids), completion.finish_reason)
                 else:
                     pending[asyncio.ensure_future(anext(call.streams[index]))] = index
                 yield index, output
@@ -307,6 +396,8 @@ def _event_stream(call: _Call, chunks) -> StreamingResponse:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestError as err:
             yield f"data: {json.dumps(err.body())}\n\n"
+        except (EngineLoopClosed, EngineLoopDied) as err:  # shutting down, or the engine failed
+            yield f"data: {json.dumps(_unavailable(err).body())}\n\n"
         except Exception as err:  # an engine error mid-stream: tell this client, keep serving others
             yield f"data: {json.dumps(RequestError(str(err), status=500, kind='internal_error').body())}\n\n"
         finally:
@@ -388,7 +479,29 @@ def _chat_logprobs(logprobs, k: int | None, tokenizer, token_ids=None):
 
 # ---------------------------------------------------------------------------------------- running it
 class _Server(uvicorn.Server):
-    """uvicorn, except that a SIGINT/SIGTERM shutdown exits 0 instead of re-raising the signal."""
+    """uvicorn, except that a SIGINT/SIGTERM shutdown exits 0 instead of re-raising the signal, and
+    that requests still running near the end of the drain window are ended by the server (streams get
+    an error event and ``[DONE]``) rather than cut when uvicorn cancels their tasks."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets=None) -> None:
+        window = self.config.timeout_graceful_shutdown
+        ender = None
+        if window is not None and self.state.async_llm is not None:
+            lead = min(1.0, window / 4)  # time for the error events to reach the clients
+            ender = asyncio.get_running_loop().call_later(max(0.0, window - lead), self._end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if ender is not None:
+                ender.cancel()
+
+    def _end_requests(self) -> None:
+        engine_loop = self.state.async_llm.engine_loop
+        asyncio.get_running_loop().run_in_executor(None, engine_loop.close)  # it joins the engine thread
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -406,7 +519,7 @@ class _Server(uvicorn.Server):
 def make_server(state: ServerState, log_level: str = "warning") -> uvicorn.Server:
     config = uvicorn.Config(build_app(state), host=state.config.host, port=state.config.port, log_level=log_level,
                             timeout_graceful_shutdown=state.config.shutdown_timeout_s, access_log=False)
-    return _Server(config)
+    return _Server(config, state)
 
 
 def run_server(config: ServerConfig, engine_options: dict) -> int:
@@ -429,9 +542,24 @@ def run_server(config: ServerConfig, engine_options: dict) -> int:
               file=sys.stderr, flush=True)
 
     threading.Thread(target=load, name="jaxrunner-model-load", daemon=True).start()
+    threading.Thread(target=_exit_when_the_engine_dies, args=(state, server), name="jaxrunner-engine-watch",
+                     daemon=True).start()
     server.run()
     if state.async_llm is not None:  # uvicorn has drained or cancelled the requests; stop the loop too
         state.async_llm.engine_loop.close()
     if failure:
         raise failure[0]
+    if state.engine_failure is not None:
+        print(f"jaxrunner serve: the engine failed ({state.engine_failure!r}); exiting", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _exit_when_the_engine_dies(state: ServerState, server: uvicorn.Server, poll_s: float = 0.2) -> None:
+    """A dead engine loop cannot serve again: /health already says 503; stop the server so that the
+    process exits non-zero and its supervisor restarts it, rather than leave it up and useless."""
+    while not server.should_exit:
+        if state.engine_failure is not None:
+            server.should_exit = True
+            return
+        time.sleep(poll_s)

@@ -56,14 +56,18 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Records TTFT and inter-token latency of one request as its outputs arrive."""
+    """Records TTFT and inter-token latency of one request as its outputs arrive, and how it ended."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int):
         self.metrics = metrics
+        self.prompt_tokens = prompt_tokens
         self.start = time.perf_counter()
         self.last: float | None = None
+        self.generated = 0
+        self.done = False
 
-    def output(self) -> None:
+    def output(self, generated_tokens: int) -> None:
+        self.generated = generated_tokens
         now = time.perf_counter()
         if self.last is None:
             self.metrics.ttft.observe(now - self.start)
@@ -71,7 +75,14 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last)
         self.last = now
 
-    def finished(self, prompt_tokens: int, generated_tokens: int, reason: str | None) -> None:
-        self.metrics.prompt_tokens.inc(prompt_tokens)
+    def finished(self, generated_tokens: int, reason: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
         self.metrics.generation_tokens.inc(generated_tokens)
         self.metrics.requests.labels(finished_reason=reason or "abort").inc()
+
+    def aborted(self) -> None:
+        """Stopped before its last output (the client left, or the server is shutting down)."""
+        self.finished(self.generated, "abort")

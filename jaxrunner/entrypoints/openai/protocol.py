@@ -145,13 +145,45 @@ def sampling_params(request: _Sampling, max_tokens: int | None, logprobs: int | 
         min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
         ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens)
     if request.logit_bias:
-        options["logit_bias"] = {int(k): v for k, v in request.logit_bias.items()}
+        options["logit_bias"] = _logit_bias(request.logit_bias)
     if request.n < 1:
         raise RequestError(f"n: {request.n} must be at least 1", param="n")
     try:
         return SamplingParams(**options)
     except ValueError as err:
-        raise RequestError(str(err), param=_field_of(str(err))) from None
+        raise RequestError(str(err), param=field_of(str(err))) from None
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """JSON object keys are strings: each must spell a token id."""
+    parsed = {}
+    for key, value in bias.items():
+        try:
+            parsed[int(key)] = value
+        except ValueError:
+            raise RequestError(f"logit_bias: keys must be token ids (integers), got {key!r}",
+                               param="logit_bias") from None
+    return parsed
+
+
+def check_max_tokens(field: str, max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt and the tokens asked for must fit the context, as vLLM's server checks (the Python API
+    lowers max_tokens instead)."""
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(f"{field}: this model's maximum context length is {max_model_len} tokens; the prompt "
+                           f"has {prompt_tokens}, so {field} can be at most {max_model_len - prompt_tokens}, "
+                           f"got {max_tokens}", param=field)
+
+
+def check_top_logprobs(request: "ChatCompletionRequest") -> None:
+    """As vLLM: top_logprobs needs logprobs=true and is at least 0."""
+    top = request.top_logprobs
+    if top is None:
+        return
+    if top < 0:
+        raise RequestError(f"top_logprobs: must be at least 0, got {top}", param="top_logprobs")
+    if not request.logprobs:
+        raise RequestError("top_logprobs: needs logprobs set to true", param="top_logprobs")
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -163,6 +195,10 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def _field_of(message: str) -> str | None:
-    match = re.match(r"SamplingParams\.(\w+)", message)
-    return match.group(1) if match else None
+def field_of(message: str, renames: dict[str, str] | None = None) -> str | None:
+    """The request field an engine error names: ``SamplingParams.logprobs=21: ...`` -> ``logprobs``,
+    ``prompt[3]: ...`` -> ``prompt``; ``renames`` maps a SamplingParams name to this endpoint's field."""
+    match = re.match(r"(?:SamplingParams\.)?([A-Za-z_]\w*)", message)
+    if not match:
+        return None
+    return (renames or {}).get(match.group(1), match.group(1))
