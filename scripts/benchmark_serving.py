@@ -8,8 +8,9 @@
 Requests are sent to ``/v1/completions`` with ``stream: true`` (token-id prompts, ``ignore_eos``, so
 every request asks for exactly its output length) at ``--request-rate`` per second: gamma-distributed
 gaps with shape ``--burstiness`` (1 = Poisson; inf rate = all at once), optionally capped at
-``--max-concurrency`` requests in flight. Per request: TTFT (first streamed text − send), ITL (gaps
-between streamed chunks), TPOT ((E2E − TTFT) / (output tokens − 1)), E2E. Reported like ``vllm bench
+``--max-concurrency`` requests in flight. Per request: TTFT (first streamed chunk − send; a chunk
+carries each step's tokens even when their text is empty: a special token, or bytes of a character
+not yet complete), ITL (gaps between streamed chunks), TPOT ((E2E − TTFT) / (output tokens − 1)), E2E. Reported like ``vllm bench
 serve``, with its JSON key names: request/token throughput, goodput (requests per second meeting
 both SLOs) and mean/median/p90/p99 of each latency in ms. Every rate of a sweep gets distinct prompts
 (no prefix-cache replay) unless ``--shared-prefix-len`` asks for a common prefix.
@@ -177,14 +178,22 @@ async def one_request(client, url: str, model: str, request: dict, send_at: floa
             if response.status_code != 200:
                 record["error"] = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return record
+            done = False
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if not line.startswith("data: "):
                     continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
                 chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record["error"] = f"error event: {chunk['error'].get('message')}"
                 if chunk.get("usage"):
                     record["output_tokens"] = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    record["chunk_times_s"].append(time.perf_counter() - start)
+                if chunk.get("choices"):  # a chunk per token step, its text possibly empty (held back
+                    record["chunk_times_s"].append(time.perf_counter() - start)  # or a special token)
+            if not done and record["error"] is None:
+                record["error"] = "the stream ended without [DONE]"
     except Exception as err:  # a failed request is reported, not fatal
         record["error"] = f"{type(err).__name__}: {err}"
     return record
