@@ -286,7 +286,8 @@ async def _completions(state: ServerState, request: Request, body: protocol.Comp
     _check_model(state, body.model)
     max_model_len = state.ready().engine.max_model_len
     params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len)
-    call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl", "max_tokens", body.max_tokens)
+    call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl", "max_tokens", body.max_tokens,
+                  renames={"prompt_token_ids": "prompt"})
     tokenizer = state.async_llm.engine.tokenizer
     if body.stream:
         return _event_stream(call, _completion_chunks(call, body.include_usage, body.logprobs, tokenizer))
@@ -313,7 +314,7 @@ async def _chat_completions(state: ServerState, request: Request, body: protocol
     params = protocol.sampling_params(body, max_tokens, max(top, 1) if body.logprobs else None,
                                       async_llm.engine.max_model_len)
     call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens,
-                  renames={"logprobs": "top_logprobs"})
+                  renames={"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"})
     tokenizer = async_llm.engine.tokenizer
     top = top if body.logprobs else None
     if body.stream:
