@@ -219,6 +219,79 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(served, client):
 
 @pytest.mark.slow
 @requires_smollm2
+def test_vllm_sampling_fields_reach_the_engine_as_in_llm_generate(served, client):
+    """allowed_token_ids, bad_words and include_stop_str_in_output were dropped by the server (200,
+    ignored); they now give what LLM.generate gives with the same SamplingParams."""
+    _, llm, _ = served
+    tokenizer = llm.get_tokenizer()
+    allowed = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" yes", " no", " maybe")]
+    cases = [dict(allowed_token_ids=allowed), dict(bad_words=[" Paris", " the"]),
+             dict(stop=["."], include_stop_str_in_output=True)]
+    for extra in cases:
+        want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, **extra),
+                            use_tqdm=False)[0].outputs[0].text
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                        extra_body=extra).choices[0].text
+        assert got == want, extra
+    assert set(tokenizer.encode(got_allowed := client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body=cases[0]).choices[0].text,
+        add_special_tokens=False)) <= set(allowed), got_allowed
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_fields_not_built_are_refused_by_name_never_ignored(served):
+    base = served[0]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    refused = [
+        ("chat/completions", {"response_format": {"type": "json_object"}}),
+        ("chat/completions", {"response_format": {"type": "bogus"}}),
+        ("chat/completions", {"structured_outputs": {"json": {"type": "object"}}}),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+        ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        ("chat/completions", {"chat_template": "{{ messages }}"}),
+        ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
+        ("chat/completions", {"continue_final_message": True}),
+        ("completions", {"echo": True}),
+        ("completions", {"best_of": 2}),
+        ("completions", {"use_beam_search": True}),
+        ("completions", {"prompt_logprobs": 1}),
+        ("completions", {"truncate_prompt_tokens": 4}),
+        ("completions", {"suffix": "end"}),
+    ]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=f"{base}/v1", headers=headers, timeout=60) as http:
+        for endpoint, extra in refused:
+            body = {**(chat if endpoint.startswith("chat") else good), **extra}
+            response = http.post(f"/{endpoint}", json=body)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == next(iter(extra)), (extra, error)
+        # what asks for nothing passes: plain text format, no tools, a tool-calling history for the template
+        history = [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"messages": history},
+                      {"some_future_field": 1}):
+            assert http.post("/chat/completions", json={**chat, **extra}).status_code == 200, extra
+
+
+def test_chat_history_fields_reach_the_template():
+    from jaxrunner.entrypoints.openai import protocol
+
+    request = protocol.parse(protocol.ChatCompletionRequest, {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}],
+         "reasoning_content": "think"},
+        {"role": "tool", "tool_call_id": "c1", "name": "w", "content": "sunny"}]})
+    assert request.conversation() == [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}],
+         "reasoning_content": "think"},
+        {"role": "tool", "content": "sunny", "name": "w", "tool_call_id": "c1"}]
+
+
+@pytest.mark.slow
+@requires_smollm2
 def test_hostile_bodies_get_400_and_the_same_connection_serves_the_next_request(served):
     """Each body once gave a 500 (and a closed keep-alive connection) or a silent 200; each now gets
     OpenAI's error naming the request's own field, and one client connection carries on throughout."""
@@ -261,7 +334,7 @@ def test_admission_counts_free_sequence_slots_and_refuses_only_what_would_wait(s
     next is a 503 with Retry-After."""
     base, _, state = served
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": MODEL, "prompt": "Count from one to fifty:", "max_tokens": 48, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Count from one to fifty:", "max_tokens": 24, "ignore_eos": True}
 
     async def burst(count: int) -> list[int]:
         async with httpx.AsyncClient(base_url=f"{base}/v1", headers=headers, timeout=120) as http:
@@ -270,7 +343,7 @@ def test_admission_counts_free_sequence_slots_and_refuses_only_what_would_wait(s
 
     async def full_then_one_more() -> int:
         async with httpx.AsyncClient(base_url=f"{base}/v1", headers=headers, timeout=120) as http:
-            held = [asyncio.ensure_future(http.post("/completions", json={**body, "max_tokens": 120}))
+            held = [asyncio.ensure_future(http.post("/completions", json={**body, "max_tokens": 64}))
                     for _ in range(12)]
             while served[1].engine_loop.num_requests() < 12:
                 await asyncio.sleep(0.01)
@@ -294,7 +367,8 @@ def test_nothing_compiles_while_serving_over_http(served, client):
     with count_compilations() as compiles:
         client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=5, temperature=0.8, top_p=0.9, seed=3,
                                   n=2, logprobs=3, presence_penalty=0.5,
-                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2})
+                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
+                                              "allowed_token_ids": list(range(100, 200)), "bad_words": [" the"]})
         list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
                                             max_tokens=6, stream=True, logprobs=True, top_logprobs=2, stop=["."]))
     assert compiles == []

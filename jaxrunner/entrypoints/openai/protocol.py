@@ -3,14 +3,18 @@
 The fields are OpenAI's (``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``n``,
 ``stop``, ``seed``, ``logprobs``/``top_logprobs``, the penalties, ``logit_bias``, ``stream_options``)
 plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``). Unknown fields are ignored, as OpenAI's server does.
+``stop_token_ids``, ``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``,
+``include_stop_str_in_output``). A field either API defines that this server does not apply is
+refused by name (``UNBUILT``), so no client gets a 200 that silently ignored what it asked for;
+fields neither API defines are ignored, as OpenAI's server does, with a log line.
 Every rejection is a ``RequestError`` that carries the HTTP status and the field it names.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,6 +63,9 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -69,7 +76,6 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -77,6 +83,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
+    # an agent's history: passed to the chat template as given
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self, index: int) -> str:
         """The message's text; content parts must be ``{"type": "text", "text": ...}``."""
@@ -102,13 +113,67 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        """The messages for the chat template; an assistant turn that only calls tools has no text."""
+        turns = []
+        for index, message in enumerate(self.messages):
+            text = "" if message.content is None and message.tool_calls else message.text(index)
+            extras = {k: v for k in _MESSAGE_EXTRAS if (v := getattr(message, k)) is not None}
+            turns.append({"role": message.role, "content": text, **extras})
+        return turns
+
+
+_MESSAGE_EXTRAS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+# Fields OpenAI's or vLLM's API defines that this server does not apply: refused when a request uses
+# them (the predicate says whether the value asks for something), never silently ignored.
+UNBUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (lambda v: v not in (None, {"type": "text"}), "structured output is not supported yet"),
+    "structured_outputs": (lambda v: v is not None, "structured output is not supported yet"),
+    "guided_json": (lambda v: v is not None, "structured output is not supported yet"),
+    "guided_regex": (lambda v: v is not None, "structured output is not supported yet"),
+    "guided_choice": (lambda v: v is not None, "structured output is not supported yet"),
+    "guided_grammar": (lambda v: v is not None, "structured output is not supported yet"),
+    "tools": (lambda v: bool(v), "tool calling is not supported yet"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool calling is not supported yet"),
+    "functions": (lambda v: bool(v), "function calling is not supported yet"),
+    "function_call": (lambda v: v not in (None, "none"), "function calling is not supported yet"),
+    "best_of": (lambda v: v not in (None, 1), "best_of is not supported (vLLM dropped it too); use n"),
+    "use_beam_search": (lambda v: bool(v), "beam search is not supported"),
+    "length_penalty": (lambda v: v not in (None, 1, 1.0), "length_penalty applies to beam search, not supported"),
+    "echo": (lambda v: bool(v), "echo is not supported yet"),
+    "suffix": (lambda v: bool(v), "suffix (insertion) is not supported"),
+    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs is not supported over HTTP yet (LLM.generate has it)"),
+    "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported yet"),
+    "chat_template": (lambda v: v is not None, "a per-request chat template is not supported yet"),
+    "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs is not supported yet"),
+    "continue_final_message": (lambda v: bool(v), "continue_final_message is not supported yet"),
+    "audio": (lambda v: v is not None, "audio output is not supported"),
+    "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
+    "prediction": (lambda v: v is not None, "predicted outputs are not supported"),
+    "guided_decoding_backend": (lambda v: v is not None, "structured output is not supported yet"),
+}
+_logger = logging.getLogger("jaxrunner.server")
+_ignored_logged: set[str] = set()
+
+
+def _refuse_unbuilt(model: type[BaseModel], body: dict) -> None:
+    """A 400 naming the first field we do not apply; a log line for a field neither API defines."""
+    for name, value in body.items():
+        if name in UNBUILT:
+            asks, why = UNBUILT[name]
+            if asks(value):
+                raise RequestError(f"{name}: {why}", param=name)
+        elif name not in model.model_fields and name not in _ignored_logged:
+            _ignored_logged.add(name)
+            _logger.info("ignoring the request field %r (not an OpenAI or vLLM field); logged once", name)
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body; the error names the first bad field."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _refuse_unbuilt(model, body)
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as err:
@@ -143,7 +208,9 @@ def sampling_params(request: _Sampling, max_tokens: int | None, logprobs: int | 
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         seed=request.seed, max_tokens=max_model_len if max_tokens is None else max_tokens,
         min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
-        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens)
+        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+        allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+        include_stop_str_in_output=request.include_stop_str_in_output)
     if request.logit_bias:
         options["logit_bias"] = _logit_bias(request.logit_bias)
     if request.n < 1:
