@@ -203,7 +203,7 @@ def pages_held(base: str, api_key: str | None, settle_s: float = 30.0) -> float 
     deadline = time.monotonic() + settle_s
     while True:
         text = httpx.get(f"{base}/metrics", timeout=10).text
-        match = re.search(r"^\w+:kv_cache_pages_used ([0-9.e+-]+)$", text, re.M)
+        match = re.search(r"^jaxrunner:kv_cache_pages_used(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
         if match is None:
             return None  # not a jaxrunner server
         held = float(match.group(1))
@@ -228,12 +228,15 @@ def tally(records: list[dict]) -> dict:
             "ttft_ms": common.percentiles(ttft, (50, 99)), "itl_ms": common.percentiles(itl, (50, 99))}
 
 
-def per_minute(records: list[dict], rss_samples: dict) -> list[dict]:
+def per_minute(records: list[dict], rss_samples: dict, rss_end: float | None) -> list[dict]:
+    """Figures by the minute requests were sent in; RSS as sampled at each minute's end (the last
+    minute's is the end of the run)."""
     rows = []
     last = int(max((r["send_s"] for r in records), default=0) // 60)
     for minute in range(last + 1):
         sent = [r for r in records if minute * 60 <= r["send_s"] < (minute + 1) * 60]
-        rows.append({"minute": minute + 1, **tally(sent), "rss_mib": rss_samples.get(minute + 1)})
+        rss = rss_samples.get(minute + 1, rss_end if minute == last else None)
+        rows.append({"minute": minute + 1, **tally(sent), "rss_mib": rss})
     return rows
 
 
@@ -256,16 +259,20 @@ def plot(path: str, rows: list[dict], title: str) -> str:
         axes[0].plot(minutes, [r[outcome] for r in rows], style, label=outcome)
     axes[0].set_title("requests per minute (by when sent)")
     for key, style in (("p50", "o-"), ("p99", "^:")):
-        axes[1].plot(minutes, [r["ttft_ms"][key] or 0.0 for r in rows], style, label=f"TTFT {key}")
-        axes[1].plot(minutes, [r["itl_ms"][key] or 0.0 for r in rows], style, label=f"ITL {key}", alpha=0.6)
+        axes[1].plot(minutes, [_or_nan(r["ttft_ms"][key]) for r in rows], style, label=f"TTFT {key}")
+        axes[1].plot(minutes, [_or_nan(r["itl_ms"][key]) for r in rows], style, label=f"ITL {key}", alpha=0.6)
     axes[1].set_title("latency (ms)")
-    axes[2].plot(minutes, [r["rss_mib"] or 0.0 for r in rows], "o-")
+    axes[2].plot(minutes, [_or_nan(r["rss_mib"]) for r in rows], "o-")
     axes[2].set_title("server RSS (MiB)")
     for ax in axes:
         ax.set_xlabel("minute")
     for ax in axes[:2]:
         ax.legend(fontsize=8)
     return common.save_figure(fig, path, title)
+
+
+def _or_nan(value) -> float:
+    return float("nan") if value is None else value  # a gap in the plot, not a drop to zero
 
 
 # ----------------------------------------------------------------------------- main
@@ -300,7 +307,7 @@ def main(argv=None) -> int:
         server_exit = serving.stop_server(proc) if proc is not None else None
     total = {**tally(records), "pages_held_at_end": held, "rss_mib_start": rss_start, "rss_mib_end": rss_end,
              "duration_s": duration}
-    rows = per_minute(records, rss_samples)
+    rows = per_minute(records, rss_samples, rss_end)
     config = {"model": args.model, "base_url": args.base_url or "jaxrunner serve", "num_requests": args.num_requests,
               "duration_s": args.duration_s, "disconnect_share": args.disconnect_share,
               "invalid_share": args.invalid_share, "max_output_len": args.max_output_len,
