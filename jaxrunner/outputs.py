@@ -34,6 +34,21 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """When a request arrived, was first scheduled, got its first token and finished, as vLLM's
+    (``time.monotonic()`` seconds; None: not yet)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -46,6 +61,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs=k: per prompt token, the token and the top-k; None at
     # position 0 (nothing predicts the first token), as in vLLM.
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    metrics: RequestMetrics | None = None
     # Speculative decoding: tokens proposed for this request so far, and those the model accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

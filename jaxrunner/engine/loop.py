@@ -59,6 +59,8 @@ class LoopStats:
     pages_in_use: int = 0
     pages_total: int = 0
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+    num_preemptions: int = 0
     prompt_tokens: int = 0
 
 
@@ -325,6 +327,8 @@ class EngineLoop:
             pages_in_use=sum(s.allocator.num_used_pages for s in schedulers),
             pages_total=sum(s.allocator.num_usable_pages for s in schedulers),  # page 0 is scratch
             prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in schedulers),
+            prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in schedulers),
+            num_preemptions=sum(s.num_preemptions for s in schedulers),
             prompt_tokens=self._prompt_tokens)
 
 

@@ -22,11 +22,12 @@ row), hands each sampled chunk's rows here, and tells the scheduler when a reque
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.request import Request
-from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
     from jaxrunner.engine.scheduler import ScheduledChunk
@@ -103,6 +104,8 @@ class OutputProcessor:
         request = state.request
         token = int(sampled["tokens"][row])
         request.append_output(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         delta_len = state.detokenizer.append(token)
         logprob = float(sampled["logprobs"][row])
         state.cumulative_logprob += logprob
@@ -173,8 +176,10 @@ class OutputProcessor:
             index=0, text=state.detokenizer.output_text, token_ids=list(request.output_token_ids),
             cumulative_logprob=state.cumulative_logprob, logprobs=state.logprobs,
             finish_reason=finish_reason, stop_reason=state.stop_reason)
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 time.monotonic() if finished else None)
         return RequestOutput(request.request_id, state.prompt, list(request.prompt_token_ids), [completion],
-                             finished=finished, num_cached_tokens=request.num_cached_tokens,
+                             finished=finished, metrics=metrics, num_cached_tokens=request.num_cached_tokens,
                              delta_text=delta, prompt_logprobs=state.prompt_logprobs,
                              num_draft_tokens=request.num_draft_tokens,
                              num_accepted_draft_tokens=request.num_accepted_draft_tokens)

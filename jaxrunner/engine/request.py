@@ -18,6 +18,7 @@ what lets a preempted request drop its KV pages and later recompute prompt + out
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from jaxrunner.sampling_params import SamplingParams
@@ -71,6 +72,11 @@ class Request:
     # and how many such proposals came in a row (the back-off doubles with each).
     spec_backoff: int = 0
     num_failed_proposals: int = 0
+    # When it arrived, was first scheduled and got its first token (time.monotonic(); None: not yet),
+    # for the per-request latencies servers report (queue, prefill and decode time).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         # Own the list: the caller's prompt must not change under the prefix-cache hashes.

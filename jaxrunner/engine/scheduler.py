@@ -31,6 +31,7 @@ which also hands back the pages of rejected positions.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -336,6 +337,8 @@ class Scheduler:
             request.page_ids = pages
             request.num_cached_tokens = request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             step.add(request, num_new)
             self.prefix_cache_hit_tokens += num_cached
