@@ -273,9 +273,17 @@ def cmd_serve(args) -> int:
     if not args.shutdown_timeout > 0:
         raise ValueError(f"--shutdown-timeout: {args.shutdown_timeout} must be > 0 seconds")
     _join_cluster(args)
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, flag)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"--{flag.replace('_', '-')}: a JSON list of strings, got {value!r}")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        raise ValueError(f"--generation-config: 'auto', 'vllm' or a directory, got {args.generation_config!r}")
     config = ServerConfig(model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
                           api_key=args.api_key or os.environ.get("JAXRUNNER_API_KEY"), max_queue=args.max_queue,
-                          shutdown_timeout_s=args.shutdown_timeout)
+                          shutdown_timeout_s=args.shutdown_timeout, generation_config=args.generation_config,
+                          allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                          allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     return run_server(config, options)
 
 
@@ -331,7 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                        "(default: $JAXRUNNER_API_KEY, else no key)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the model names clients may send (default: MODEL); the first is reported")
+    serve.add_argument("--generation-config", default="auto", help="sampling defaults: 'auto' (the model's "
+                       "generation_config.json), 'vllm' (none) or a directory holding one")
+    serve.add_argument("--allowed-origins", type=json.loads, default=["*"], help='CORS origins, JSON (default ["*"])')
+    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help='CORS methods, JSON (default ["*"])')
+    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help='CORS headers, JSON (default ["*"])')
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     serve.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
                        "after SIGINT/SIGTERM; those still running then end with an error event")

@@ -78,7 +78,7 @@ def metrics(base: str) -> dict[str, float]:
     text = httpx.get(f"{base}/metrics", timeout=10).text
     values = {}
     for line in text.splitlines():
-        match = re.match(r"^(jaxrunner:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        match = re.match(r"^((?:vllm|jaxrunner):[a-z0-9_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
         if match:
             values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
     return values
@@ -86,7 +86,8 @@ def metrics(base: str) -> dict[str, float]:
 
 def aborted_total(base: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    match = re.search(r'^jaxrunner:request_success_total\{finished_reason="abort"\} ([0-9.e+-]+)$', text, re.M)
+    match = re.search(r'^vllm:request_success_total\{finished_reason="abort",model_name="[^"]*"\} ([0-9.e+-]+)$',
+                      text, re.M)
     return float(match.group(1)) if match else 0.0
 
 
@@ -94,7 +95,7 @@ def wait_until_drained(base: str, timeout_s: float = 60) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         values = metrics(base)
-        if (values["jaxrunner:num_requests_running"] == 0 and values["jaxrunner:num_requests_waiting"] == 0
+        if (values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
                 and values["jaxrunner:kv_cache_pages_used"] == 0):
             return values
         assert time.monotonic() < deadline, values
@@ -170,10 +171,10 @@ def test_64_streaming_clients_8_disconnect_and_every_page_comes_back(served):
     assert after["jaxrunner:kv_cache_pages_free"] > 0
     # The 8 that left were aborted, not run to their 60 tokens, and are counted with reason "abort".
     grew = {name: after[name] - before[name] for name in after}
-    assert 56 * 6 + 8 <= grew["jaxrunner:generation_tokens_total"] < 56 * 6 + 8 * 60
-    assert grew["jaxrunner:request_success_total"] == 64
+    assert 56 * 6 + 8 <= grew["vllm:generation_tokens_total"] < 56 * 6 + 8 * 60
+    assert grew["vllm:request_success_total"] == 64
     assert aborted_total(base) - aborted_before == 8
-    assert grew["jaxrunner:time_to_first_token_seconds_count"] >= 64
+    assert grew["vllm:time_to_first_token_seconds_count"] >= 64
 
 
 @pytest.mark.slow
@@ -382,7 +383,7 @@ def test_health_is_503_until_the_model_is_ready():
         assert http.get("/health").status_code == 503
         response = http.post("/v1/completions", json={"model": "not-loaded-yet", "prompt": "hi"})
         assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
-        assert "jaxrunner:num_requests_running" in http.get("/metrics").text
+        assert "vllm:num_requests_running" in http.get("/metrics").text
 
 
 @pytest.mark.parametrize("args, message", [(["no-such-model-is-loaded", "--max-num-seqs", "0"], "max_num_seqs"),
@@ -467,3 +468,118 @@ def test_a_dead_engine_loop_turns_health_503_and_serve_exits_1(tiny_checkpoints,
     assert health in (503, None)
     server.join(timeout=30)
     assert exits == [1]
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_a_stream_sends_its_first_chunk_with_the_first_token(served):
+    """The role chunk waits for the first token (as vLLM's), so the time to a client's first chunk is at
+    least the server's own time to first token, not the time to an empty chunk sent before prefill."""
+    base = served[0]
+    prompt = "Summarize: " + " ".join(f"item {i} is a word," for i in range(20))
+    before = metrics(base)
+    start = time.perf_counter()
+    chunks, first_s = [], None
+    with httpx.stream("POST", f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4,
+                            "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                first_s = first_s or time.perf_counter() - start
+                chunks.append(json.loads(line[6:]))
+    after = metrics(base)
+    server_ttft = after["vllm:time_to_first_token_seconds_sum"] - before["vllm:time_to_first_token_seconds_sum"]
+    assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
+    assert first_s >= 0.9 * server_ttft, (first_s, server_ttft)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_tokenize_detokenize_version_and_cors(served):
+    base, llm, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    tokenizer = llm.get_tokenizer()
+    with httpx.Client(base_url=base, headers=headers, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "The capital of France"}).json()
+        assert tokens["tokens"] == tokenizer.encode("The capital of France") and tokens["count"] == len(tokens["tokens"])
+        assert tokens["max_model_len"] == llm.engine.max_model_len
+        chat = [{"role": "user", "content": "Hi"}]
+        templated = http.post("/tokenize", json={"messages": chat}).json()["tokens"]
+        assert templated == llm.chat_prompt(chat)["prompt_token_ids"]
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "The capital of France"}
+        bad = http.post("/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+        assert http.get("/version").json()["version"]
+        preflight = http.options("/v1/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*",
+                                                                                                   "http://localhost:3000")
+
+
+def test_generation_config_defaults_and_several_served_names(tiny_checkpoints, tmp_path):
+    """--generation-config DIR: its temperature and max_new_tokens fill what a request leaves unset, as
+    LLM's defaults do; a request that sets them wins. Every --served-model-name is accepted and echoed."""
+    from engine_helpers import make_llm
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    llm = make_llm(tiny_checkpoints["llama"])
+    state = ServerState(ServerConfig(model=tiny_checkpoints["llama"], served_model_name=["first", "second"],
+                                     port=free_port(), generation_config=str(tmp_path)), llm)
+    server = make_server(state)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{state.config.port}"
+    try:
+        wait_for_health(base, 60)
+        chat = [{"role": "user", "content": "Hello world"}]
+        want = llm.generate([llm.chat_prompt(chat)], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+        got = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                         json={"model": "second", "messages": chat, "ignore_eos": True}).json()
+        assert got["model"] == "second" and got["usage"]["completion_tokens"] == 5
+        assert got["choices"][0]["message"]["content"] == want.text
+        longer = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                            json={"model": "first", "messages": chat, "ignore_eos": True, "max_tokens": 7}).json()
+        assert longer["usage"]["completion_tokens"] == 7
+        names = [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=10).json()["data"]]
+        assert names == ["first", "second"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+# The series vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana) queries, each with
+# model_name="$model_name", and the counters vLLM 0.32 adds beside them.
+DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+]
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_metrics_answer_every_query_of_vllms_dashboard(served, client):
+    base = served[0]
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    labelled = {re.match(r"^([a-z0-9_:]+)\{", line).group(1) for line in text.splitlines()
+                if f'model_name="{MODEL}"' in line}
+    assert [name for name in DASHBOARD_SERIES if name not in labelled] == []
+    values = metrics(base)
+    assert 0 <= values["vllm:kv_cache_usage_perc"] <= 1
+    assert values["vllm:request_queue_time_seconds_count"] >= 1 and values["vllm:request_decode_time_seconds_sum"] > 0
+    assert values["vllm:prefix_cache_queries_total"] >= values["vllm:prefix_cache_hits_total"] >= 0

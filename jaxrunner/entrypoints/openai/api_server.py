@@ -25,11 +25,13 @@ import uuid
 import pydantic.json_schema
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import jaxrunner
 from jaxrunner.async_llm import AsyncLLM, RequestStream
 from jaxrunner.engine.loop import EngineLoopClosed, EngineLoopDied
 from jaxrunner.entrypoints.openai import protocol
@@ -42,17 +44,29 @@ logger = logging.getLogger("jaxrunner.server")
 @dataclasses.dataclass
 class ServerConfig:
     model: str
-    served_model_name: str | None = None   # the name clients pass as `model` (default: `model`)
+    # the names clients may pass as `model` (default: `model`); the first is the one reported
+    served_model_name: str | list[str] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     max_queue: int = 4096                  # waiting requests beyond this get 503
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     shutdown_timeout_s: float = 10.0       # in-flight requests get this long after SIGINT/SIGTERM
+    # sampling defaults: "auto" = the model's generation_config.json, "vllm" = none, or a directory's
+    generation_config: str = "auto"
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS, as vLLM's --allowed-origins (and methods, headers)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    @property
+    def model_names(self) -> list[str]:
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names or [self.model])
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.model_names[0]
 
 
 class ServerState:
@@ -60,13 +74,15 @@ class ServerState:
 
     def __init__(self, config: ServerConfig, llm=None):
         self.config = config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.model_name)
         self.async_llm: AsyncLLM | None = None
+        self.sampling_defaults: dict = {}  # SamplingParams fields a request leaves unset
         self.created = int(time.time())
         if llm is not None:
             self.set_llm(llm)
 
     def set_llm(self, llm) -> None:
+        self.sampling_defaults = _sampling_defaults(self.config.generation_config, llm)
         self.async_llm = AsyncLLM(llm)
         self.metrics.attach(self.async_llm.engine_loop)
 
@@ -115,6 +131,10 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="jaxrunner OpenAI-compatible server", docs_url=None, redoc_url=None,
                   default_response_class=_JSONResponse)
     app.state.server = state
+    config = state.config
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
 
     @app.exception_handler(RequestError)
     async def _request_error(_, err: RequestError):
@@ -141,10 +161,35 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         _check_key(state, request)
-        card = {"id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "jaxrunner"}
+        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "jaxrunner",
+                  "root": state.config.model} for name in state.config.model_names]
         if state.async_llm is not None:
-            card["max_model_len"] = state.async_llm.engine.max_model_len
-        return {"object": "list", "data": [card]}
+            for card in cards:
+                card["max_model_len"] = state.async_llm.engine.max_model_len
+        return {"object": "list", "data": cards}
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxrunner.__version__}
+
+    @app.post("/tokenize")
+    @_answering_errors
+    async def tokenize(request: Request):
+        body = protocol.parse(protocol.TokenizeRequest, await _read_body(state, request))
+        _check_model(state, body.model)
+        return _tokenize(state.ready(), body)
+
+    @app.post("/detokenize")
+    @_answering_errors
+    async def detokenize(request: Request):
+        body = protocol.parse(protocol.DetokenizeRequest, await _read_body(state, request))
+        _check_model(state, body.model)
+        engine = state.ready().engine
+        bad = [t for t in body.tokens if not 0 <= t < engine.executor.vocab_size]
+        if bad:
+            raise RequestError(f"tokens: token id {bad[0]} outside the vocabulary [0, {engine.executor.vocab_size})",
+                               param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions", openapi_extra=_body_schema(protocol.CompletionRequest))
     @_answering_errors
@@ -216,9 +261,44 @@ async def _read_body(state: ServerState, request: Request):
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.config.model_name:
-        raise RequestError(f"model: the model `{model}` does not exist; this server serves "
-                           f"`{state.config.model_name}`", status=404, param="model", kind="not_found_error")
+    if model is not None and model not in state.config.model_names:
+        served = ", ".join(f"`{name}`" for name in state.config.model_names)
+        raise RequestError(f"model: the model `{model}` does not exist; this server serves {served}", status=404,
+                           param="model", kind="not_found_error")
+
+
+def _tokenize(async_llm: AsyncLLM, body) -> dict:
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+    engine = async_llm.engine
+    if engine.tokenizer is None:
+        raise RequestError("this model has no tokenizer", param="prompt")
+    if body.messages is not None:
+        try:
+            prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt)
+        except ValueError as err:
+            raise RequestError(str(err), param="messages") from None
+        tokens = prompt["prompt_token_ids"]
+    elif body.prompt is not None:
+        try:
+            body.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("prompt: not valid Unicode text", param="prompt") from None
+        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise RequestError("prompt: give `prompt` or `messages`", param="prompt")
+    return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
+
+
+def _sampling_defaults(source: str, llm) -> dict:
+    """SamplingParams fields the model's generation config sets ("auto"), none ("vllm"), or those of the
+    generation_config.json in a directory, as vLLM's --generation-config."""
+    from jaxrunner.models.loading.hf import read_generation_config, sampling_defaults
+
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        return sampling_defaults(llm.engine.model.generation_config)
+    return sampling_defaults(read_generation_config(source))
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -261,7 +341,8 @@ def _start(state: ServerState, prompts: list, params, n: int, prefix: str, max_t
     for request in valid:
         for index in range(n):
             sample = dataclasses.replace(request, sampling_params=protocol.sample_params(params, index))
-            timers.append(RequestTimer(state.metrics, len(request.prompt_token_ids)))
+            timers.append(RequestTimer(state.metrics, len(request.prompt_token_ids),
+                                       min(params.max_tokens, async_llm.engine.max_model_len)))
             streams.append(RequestStream(loop, sample, None))
     return _Call(streams, timers, [len(r.prompt_token_ids) for r in valid], f"{prefix}-{uuid.uuid4().hex}",
                  int(time.time()), state.config.model_name)
@@ -285,9 +366,10 @@ def _admit(state: ServerState, loop, new_requests: int) -> None:
 async def _completions(state: ServerState, request: Request, body: protocol.CompletionRequest):
     _check_model(state, body.model)
     max_model_len = state.ready().engine.max_model_len
-    params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len)
+    params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len, state.sampling_defaults)
     call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl", "max_tokens", body.max_tokens,
                   renames={"prompt_token_ids": "prompt"})
+    call.model = body.model or call.model  # the name the client used, of those served
     tokenizer = state.async_llm.engine.tokenizer
     if body.stream:
         return _event_stream(call, _completion_chunks(call, body.include_usage, body.logprobs, tokenizer))
@@ -312,9 +394,10 @@ async def _chat_completions(state: ServerState, request: Request, body: protocol
     protocol.check_top_logprobs(body)
     top = body.top_logprobs or 0
     params = protocol.sampling_params(body, max_tokens, max(top, 1) if body.logprobs else None,
-                                      async_llm.engine.max_model_len)
+                                      async_llm.engine.max_model_len, state.sampling_defaults)
     call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens,
                   renames={"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"})
+    call.model = body.model or call.model
     tokenizer = async_llm.engine.tokenizer
     top = top if body.logprobs else None
     if body.stream:
@@ -373,8 +456,7 @@ async def _merged(call: _Call):
                 output = task.result()
                 call.timers[index].output(len(output.outputs[0].token_ids))
                 if output.finished:
-                    completion = output.outputs[0]
-                    call.timers[index].finished(len(completion.token_ids), completion.finish_reason)
+                    call.timers[index].finished(output)
                 else:
                     pending[asyncio.ensure_future(anext(call.streams[index]))] = index
                 yield index, output
@@ -428,10 +510,10 @@ async def _completion_chunks(call: _Call, include_usage: bool, logprobs: int | N
 async def _chat_chunks(call: _Call, include_usage: bool, top: int | None, tokenizer):
     finals: list = [None] * len(call.streams)
     seen = [0] * len(call.streams)
-    for index in range(len(call.streams)):
-        yield _chunk(call, "chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}])
     async for index, output in _merged(call):
+        if finals[index] is None:  # the role goes with the first token, as vLLM's: a client's TTFT is honest
+            yield _chunk(call, "chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                           "logprobs": None, "finish_reason": None}])
         finals[index] = output
         completion = output.outputs[0]
         new = (completion.logprobs or [])[seen[index]:]

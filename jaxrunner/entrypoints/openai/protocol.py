@@ -57,8 +57,8 @@ class _Sampling(BaseModel):
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -169,6 +169,28 @@ def _refuse_unbuilt(model: type[BaseModel], body: dict) -> None:
             _logger.info("ignoring the request field %r (not an OpenAI or vLLM field); logged once", name)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return ChatCompletionRequest(messages=self.messages).conversation()
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body; the error names the first bad field."""
     if not isinstance(body, dict):
@@ -196,17 +218,22 @@ def completion_prompts(request: CompletionRequest) -> list:
 
 
 def sampling_params(request: _Sampling, max_tokens: int | None, logprobs: int | None,
-                    max_model_len: int) -> SamplingParams:
-    """The request's SamplingParams (one sample; ``n`` is served as n requests)."""
+                    max_model_len: int, defaults: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams (one sample; ``n`` is served as n requests). ``defaults`` (the
+    model's generation config: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+    fill what the request leaves unset, as in vLLM's server."""
     if request.logit_bias and "logit_bias" not in _SAMPLING_FIELDS:
         raise RequestError("logit_bias: not supported by this server", param="logit_bias")
+    defaults = {**_PLAIN_DEFAULTS, **(defaults or {})}
+    chosen = {name: defaults[name] if getattr(request, name) is None else getattr(request, name)
+              for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    room_default = max_model_len if defaults.get("max_tokens") is None else min(defaults["max_tokens"], max_model_len)
     options = dict(
-        n=1, temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=-1 if request.top_k in (None, 0, -1) else request.top_k,
-        min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+        n=1, temperature=chosen["temperature"], top_p=chosen["top_p"],
+        top_k=-1 if chosen["top_k"] in (None, 0, -1) else chosen["top_k"],
+        min_p=chosen["min_p"], repetition_penalty=chosen["repetition_penalty"],
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-        seed=request.seed, max_tokens=max_model_len if max_tokens is None else max_tokens,
+        seed=request.seed, max_tokens=room_default if max_tokens is None else max_tokens,
         min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
         ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
         allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
@@ -260,6 +287,8 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_PLAIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                   "max_tokens": None}
 
 
 def field_of(message: str, renames: dict[str, str] | None = None) -> str | None:
