@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from engine_helpers import COMPILE_CACHE, make_llm
-from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, make_server
+from server_helpers import serving
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -41,34 +40,13 @@ def test_short_soak_loses_nothing_and_holds_no_pages(tiny_checkpoints, tmp_path)
     assert total["ttft_ms"]["p50"] is not None and total["itl_ms"]["p99"] is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def small_pool_server(tiny_checkpoints):
-    """The tiny Llama behind a server on a thread, with a KV pool of 24 pages of 8 tokens: eight
-    requests of 90 tokens need 96 pages at once, so serving them preempts."""
+    """The tiny Llama behind a server, with a KV pool of 24 pages of 8 tokens: eight requests of 90
+    tokens need 96 pages at once, so serving them preempts."""
     llm = make_llm(tiny_checkpoints["llama"], num_pages=24)
-    state = ServerState(ServerConfig(model="tiny", port=_free_port()), llm)
-    server = make_server(state)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{state.config.port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.1)
-    yield base, llm
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(llm) as (base, _):
+        yield base, llm
 
 
 def _pages_in_use(llm) -> int:

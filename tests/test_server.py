@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,29 +23,12 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from jaxrunner import SamplingParams  # noqa: E402
-from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, build_app, make_server  # noqa: E402
+from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, build_app  # noqa: E402
+from server_helpers import free_port, serving, wait_for_health  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 KEY = "test-key"
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_health(base: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{base} did not become healthy")
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +40,8 @@ def served():
 
     llm = LLM(MODEL, dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
               compilation_cache_dir=COMPILE_CACHE, progress=False, min_token_bucket=16)
-    state = ServerState(ServerConfig(model=MODEL, port=free_port(), api_key=KEY), llm)
-    server = make_server(state)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{state.config.port}"
-    wait_for_health(base, 60)
-    yield base, llm, state
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(llm, model=MODEL, api_key=KEY) as (base, state):
+        yield base, llm, state
 
 
 @pytest.fixture(scope="module")
@@ -528,14 +503,8 @@ def test_generation_config_defaults_and_several_served_names(tiny_checkpoints, t
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
     llm = make_llm(tiny_checkpoints["llama"])
-    state = ServerState(ServerConfig(model=tiny_checkpoints["llama"], served_model_name=["first", "second"],
-                                     port=free_port(), generation_config=str(tmp_path)), llm)
-    server = make_server(state)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{state.config.port}"
-    try:
-        wait_for_health(base, 60)
+    with serving(llm, model=tiny_checkpoints["llama"], served_model_name=["first", "second"],
+                 generation_config=str(tmp_path)) as (base, _):
         chat = [{"role": "user", "content": "Hello world"}]
         want = llm.generate([llm.chat_prompt(chat)], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0]
@@ -548,9 +517,6 @@ def test_generation_config_defaults_and_several_served_names(tiny_checkpoints, t
         assert longer["usage"]["completion_tokens"] == 7
         names = [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=10).json()["data"]]
         assert names == ["first", "second"]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 # The series vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana) queries, each with

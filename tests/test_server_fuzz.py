@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
 import time
 
 import httpx
@@ -24,40 +22,19 @@ from hypothesis import strategies as st  # noqa: E402
 
 from engine_helpers import make_llm  # noqa: E402
 from jaxrunner.entrypoints.openai import protocol  # noqa: E402
-from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, build_app, make_server  # noqa: E402
+from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, build_app  # noqa: E402
+from server_helpers import serving  # noqa: E402
 
 FUZZ_CASES = int(os.environ.get("JAXRUNNER_FUZZ_CASES", "60"))
 ENDPOINTS = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest}
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fuzzed_server(tiny_checkpoints):
     llm = make_llm(tiny_checkpoints["llama"])
-    state = ServerState(ServerConfig(model=MODEL, port=_free_port()), llm)
-    server = make_server(state)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{state.config.port}"
-    with httpx.Client(base_url=base, timeout=120) as http:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
+    with serving(llm, model=MODEL) as (base, _), httpx.Client(base_url=base, timeout=120) as http:
         yield http, llm
-    server.should_exit = True
-    thread.join(timeout=30)
     llm.engine.scheduler.allocator.check_invariants()
 
 
