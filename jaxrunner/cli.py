@@ -259,7 +259,8 @@ def cmd_info(args) -> int:
 
 def cmd_serve(args) -> int:
     from jaxrunner.config import EngineConfig
-    from jaxrunner.entrypoints.openai.api_server import ServerConfig, run_server
+    from jaxrunner.entrypoints.openai.api_server import ServerConfig
+    from jaxrunner.entrypoints.openai.server_process import run_server
     from jaxrunner.models.loading.resolve import resolve_model
 
     model = args.model_tag or args.model

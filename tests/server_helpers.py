@@ -9,7 +9,8 @@ import time
 
 import httpx
 
-from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, make_server
+from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState
+from jaxrunner.entrypoints.openai.server_process import make_server
 
 
 def free_port() -> int:

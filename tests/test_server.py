@@ -414,7 +414,7 @@ def test_a_dead_engine_loop_turns_health_503_and_serve_exits_1(tiny_checkpoints,
     in flight with a 503, turns /health to 503, and `run_server` stops and returns 1, so a supervisor
     restarts the process instead of leaving it up and useless."""
     from jaxrunner.engine import loop as loop_module
-    from jaxrunner.entrypoints.openai.api_server import run_server
+    from jaxrunner.entrypoints.openai.server_process import run_server
 
     model = tiny_checkpoints["llama"]
     broken = threading.Event()

@@ -1,29 +1,27 @@
-"""The OpenAI-compatible HTTP server (``jaxrunner serve``): FastAPI on uvicorn over ``AsyncLLM``.
+"""The OpenAI-compatible HTTP app over ``AsyncLLM``: its endpoints and the path of a request.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events when
-``stream``), ``GET /v1/models``, ``GET /health`` (503 until warm-up is done), ``GET /metrics``
-(Prometheus). Errors use OpenAI's JSON shape: 400 names the bad field, 401 a missing or wrong key,
-404 an unknown model, 413 a body over the size limit, 503 (with ``Retry-After``) when more requests
-wait than ``max_queue``. A request's error never stops the engine loop or other requests; a client
-that disconnects aborts its requests, which frees their pages at once.
+``stream``), ``GET /v1/models``, ``POST /tokenize`` and ``/detokenize`` (vLLM's), ``GET /version``,
+``GET /health`` (503 until warm-up is done, or once the engine failed), ``GET /metrics``
+(Prometheus, vLLM's names) and ``/openapi.json``. Errors use OpenAI's JSON shape: 400 names the
+request's field, 401 a missing or wrong key, 404 an unknown model, 413 a body over the size limit,
+503 (with ``Retry-After``) when more requests would wait than ``max_queue``. A request's error never
+stops the engine loop or other requests; a client that disconnects aborts its requests, which frees
+their pages at once. The process around the app (signals, shutdown, exit status) is
+``server_process``; the request bodies and their mapping onto SamplingParams are ``protocol``.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import hmac
 import json
 import logging
-import signal
-import sys
-import threading
 import time
 import uuid
 
 import pydantic.json_schema
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -35,6 +33,7 @@ import jaxrunner
 from jaxrunner.async_llm import AsyncLLM, RequestStream
 from jaxrunner.engine.loop import EngineLoopClosed, EngineLoopDied
 from jaxrunner.entrypoints.openai import protocol
+from jaxrunner.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from jaxrunner.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from jaxrunner.entrypoints.openai.protocol import RequestError
 
@@ -376,7 +375,7 @@ async def _completions(state: ServerState, request: Request, body: protocol.Comp
     finals = await _final_outputs(call, request)
     choices = [{"index": i, "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
                 "stop_reason": out.outputs[0].stop_reason,
-                "logprobs": _completion_logprobs(out.outputs[0].logprobs, body.logprobs, tokenizer)}
+                "logprobs": completion_logprobs(out.outputs[0].logprobs, body.logprobs, tokenizer)}
                for i, out in enumerate(finals)]
     return {"id": call.request_id, "object": "text_completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": _usage(call, finals)}
@@ -405,7 +404,7 @@ async def _chat_completions(state: ServerState, request: Request, body: protocol
     finals = await _final_outputs(call, request)
     choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
                 "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason,
-                "logprobs": _chat_logprobs(out.outputs[0].logprobs, top, tokenizer)}
+                "logprobs": chat_logprobs(out.outputs[0].logprobs, top, tokenizer)}
                for i, out in enumerate(finals)]
     return {"id": call.request_id, "object": "chat.completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": _usage(call, finals)}
@@ -502,7 +501,7 @@ async def _completion_chunks(call: _Call, include_usage: bool, logprobs: int | N
         yield _chunk(call, "text_completion", [{
             "index": index, "text": output.delta_text, "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
-            "logprobs": _completion_logprobs(new, logprobs, tokenizer, new_ids) if logprobs is not None else None}])
+            "logprobs": completion_logprobs(new, logprobs, tokenizer, new_ids) if logprobs is not None else None}])
     if include_usage:
         yield {**_chunk(call, "text_completion", []), "usage": _usage(call, finals)}
 
@@ -521,128 +520,10 @@ async def _chat_chunks(call: _Call, include_usage: bool, top: int | None, tokeni
         seen[index] = len(completion.token_ids)
         yield _chunk(call, "chat.completion.chunk", [{
             "index": index, "delta": {"content": output.delta_text} if output.delta_text else {},
-            "logprobs": _chat_logprobs(new, top, tokenizer, new_ids), "finish_reason": completion.finish_reason}])
+            "logprobs": chat_logprobs(new, top, tokenizer, new_ids), "finish_reason": completion.finish_reason}])
     if include_usage:
         yield {**_chunk(call, "chat.completion.chunk", []), "usage": _usage(call, finals)}
 
 
 def _chunk(call: _Call, kind: str, choices: list) -> dict:
     return {"id": call.request_id, "object": kind, "created": call.created, "model": call.model, "choices": choices}
-
-
-# ---------------------------------------------------------------------------------------- logprobs
-def _logprob(value) -> float:
-    return float(getattr(value, "logprob", value))  # a float, or a Logprob object
-
-
-def _steps(logprobs, token_ids, tokenizer):
-    """Per generated token: (its text, its logprob, [(text, logprob) of the top ones])."""
-    for token_id, entries in zip(token_ids, logprobs or []):
-        top = [(tokenizer.decode([int(t)]), _logprob(v)) for t, v in entries.items()]
-        yield tokenizer.decode([int(token_id)]), _logprob(entries[token_id]), top
-
-
-def _completion_logprobs(logprobs, k: int | None, tokenizer, token_ids=None):
-    if k is None or logprobs is None:
-        return None
-    token_ids = token_ids if token_ids is not None else [next(iter(e)) for e in logprobs]
-    steps = list(_steps(logprobs, token_ids, tokenizer))
-    return {"tokens": [s[0] for s in steps], "token_logprobs": [s[1] for s in steps],
-            "top_logprobs": [dict(s[2][:k]) for s in steps], "text_offset": []}
-
-
-def _chat_logprobs(logprobs, k: int | None, tokenizer, token_ids=None):
-    if k is None or logprobs is None:
-        return None
-    token_ids = token_ids if token_ids is not None else [next(iter(e)) for e in logprobs]
-    return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
-                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top[:k]]}
-                        for text, lp, top in _steps(logprobs, token_ids, tokenizer)]}
-
-
-# ---------------------------------------------------------------------------------------- running it
-class _Server(uvicorn.Server):
-    """uvicorn, except that a SIGINT/SIGTERM shutdown exits 0 instead of re-raising the signal, and
-    that requests still running near the end of the drain window are ended by the server (streams get
-    an error event and ``[DONE]``) rather than cut when uvicorn cancels their tasks."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState):
-        super().__init__(config)
-        self.state = state
-
-    async def shutdown(self, sockets=None) -> None:
-        window = self.config.timeout_graceful_shutdown
-        ender = None
-        if window is not None and self.state.async_llm is not None:
-            lead = min(1.0, window / 4)  # time for the error events to reach the clients
-            ender = asyncio.get_running_loop().call_later(max(0.0, window - lead), self._end_requests)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            if ender is not None:
-                ender.cancel()
-
-    def _end_requests(self) -> None:
-        engine_loop = self.state.async_llm.engine_loop
-        asyncio.get_running_loop().run_in_executor(None, engine_loop.close)  # it joins the engine thread
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
-def make_server(state: ServerState, log_level: str = "warning") -> uvicorn.Server:
-    config = uvicorn.Config(build_app(state), host=state.config.host, port=state.config.port, log_level=log_level,
-                            timeout_graceful_shutdown=state.config.shutdown_timeout_s, access_log=False)
-    return _Server(config, state)
-
-
-def run_server(config: ServerConfig, engine_options: dict) -> int:
-    """Serve until SIGINT/SIGTERM. The HTTP port opens at once (``/health`` says 503); the model
-    loads and warms up on a thread, then the URL is printed. Returns the exit status."""
-    state = ServerState(config)
-    server = make_server(state)
-    failure: list[BaseException] = []
-
-    def load() -> None:
-        from jaxrunner.llm import LLM
-
-        try:
-            state.set_llm(LLM(config.model, **engine_options))
-        except Exception as err:  # the user's model or options: report and stop the server
-            failure.append(err)
-            server.should_exit = True
-            return
-        print(f"jaxrunner serve: {config.model_name} ready at http://{config.host}:{config.port}/v1",
-              file=sys.stderr, flush=True)
-
-    threading.Thread(target=load, name="jaxrunner-model-load", daemon=True).start()
-    threading.Thread(target=_exit_when_the_engine_dies, args=(state, server), name="jaxrunner-engine-watch",
-                     daemon=True).start()
-    server.run()
-    if state.async_llm is not None:  # uvicorn has drained or cancelled the requests; stop the loop too
-        state.async_llm.engine_loop.close()
-    if failure:
-        raise failure[0]
-    if state.engine_failure is not None:
-        print(f"jaxrunner serve: the engine failed ({state.engine_failure!r}); exiting", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-def _exit_when_the_engine_dies(state: ServerState, server: uvicorn.Server, poll_s: float = 0.2) -> None:
-    """A dead engine loop cannot serve again: /health already says 503; stop the server so that the
-    process exits non-zero and its supervisor restarts it, rather than leave it up and useless."""
-    while not server.should_exit:
-        if state.engine_failure is not None:
-            server.should_exit = True
-            return
-        time.sleep(poll_s)
