@@ -284,7 +284,8 @@ def cmd_serve(args) -> int:
                           api_key=args.api_key or os.environ.get("JAXRUNNER_API_KEY"), max_queue=args.max_queue,
                           shutdown_timeout_s=args.shutdown_timeout, generation_config=args.generation_config,
                           allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-                          allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
+                          allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+                          uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests)
     return run_server(config, options)
 
 
@@ -348,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help='CORS methods, JSON (default ["*"])')
     serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help='CORS headers, JSON (default ["*"])')
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request (id, prompt lengths, sampling params) to stderr")
     serve.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
                        "after SIGINT/SIGTERM; those still running then end with an error event")

@@ -376,7 +376,8 @@ def test_serve_subprocess_shuts_down_on_sigterm_with_exit_0(tiny_checkpoints):
     env = dict(os.environ, JAXRUNNER_COMPILATION_CACHE=COMPILE_CACHE, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "jaxrunner", "serve", tiny_checkpoints["llama"], "--port",
                              str(port), "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens",
-                             "32", "--shutdown-timeout", "0.2"], env=env, stdout=subprocess.PIPE,
+                             "32", "--shutdown-timeout", "0.2", "--enable-log-requests", "--uvicorn-log-level",
+                             "info"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -404,6 +405,7 @@ def test_serve_subprocess_shuts_down_on_sigterm_with_exit_0(tiny_checkpoints):
             proc.kill()
     assert proc.returncode == 0, stderr
     assert "ready at http://127.0.0.1" in stderr and "Traceback" not in stderr
+    assert "Uvicorn running on" in stderr and re.search(r"request cmpl-\w+: prompt tokens \[\d+\], n=1", stderr)
     assert events[-1] == "data: [DONE]", events[-3:]
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == 503 and "shutting down" in error["message"], error

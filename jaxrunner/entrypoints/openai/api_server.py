@@ -57,6 +57,8 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    uvicorn_log_level: str = "warning"
+    log_requests: bool = False  # one INFO line per request: id, prompt lengths, sampling params
 
     @property
     def model_names(self) -> list[str]:
@@ -336,6 +338,10 @@ def _start(state: ServerState, prompts: list, params, n: int, prefix: str, max_t
                                   async_llm.engine.max_model_len)
         valid.append(request)
     _admit(state, loop, len(valid) * n)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    if state.config.log_requests:
+        logger.info("request %s: prompt tokens %s, n=%d, %s", request_id, [len(r.prompt_token_ids) for r in valid],
+                    n, params)
     streams, timers = [], []
     for request in valid:
         for index in range(n):
@@ -343,8 +349,8 @@ def _start(state: ServerState, prompts: list, params, n: int, prefix: str, max_t
             timers.append(RequestTimer(state.metrics, len(request.prompt_token_ids),
                                        min(params.max_tokens, async_llm.engine.max_model_len)))
             streams.append(RequestStream(loop, sample, None))
-    return _Call(streams, timers, [len(r.prompt_token_ids) for r in valid], f"{prefix}-{uuid.uuid4().hex}",
-                 int(time.time()), state.config.model_name)
+    return _Call(streams, timers, [len(r.prompt_token_ids) for r in valid], request_id, int(time.time()),
+                 state.config.model_name)
 
 
 def _admit(state: ServerState, loop, new_requests: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -63,8 +64,10 @@ def run_server(config: ServerConfig, engine_options: dict) -> int:
     """Serve until SIGINT/SIGTERM. The HTTP port opens at once (``/health`` says 503); the model
     loads and warms up on a thread, then the URL is printed. Returns the exit status."""
     state = ServerState(config)
-    server = make_server(state)
+    server = make_server(state, config.uvicorn_log_level)
     failure: list[BaseException] = []
+    if config.log_requests:
+        _log_to_stderr(logging.getLogger("jaxrunner.server"))
 
     def load() -> None:
         from jaxrunner.llm import LLM
@@ -90,6 +93,13 @@ def run_server(config: ServerConfig, engine_options: dict) -> int:
         print(f"jaxrunner serve: the engine failed ({state.engine_failure!r}); exiting", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _log_to_stderr(logger: logging.Logger) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _exit_when_the_engine_dies(state: ServerState, server: uvicorn.Server, poll_s: float = 0.2) -> None:
