@@ -15,6 +15,7 @@ starts a new one.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import concurrent.futures
@@ -23,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from typing import Callable
 
 from jaxrunner.engine.request import check_request_id_free
@@ -164,6 +166,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ the loop thread
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
+            _close_at_exit(self)
             self._thread = threading.Thread(target=self._run, name="jaxrunner-engine-loop", daemon=True)
             self._thread.start()
 
@@ -330,6 +333,30 @@ class EngineLoop:
             prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in schedulers),
             num_preemptions=sum(s.num_preemptions for s in schedulers),
             prompt_tokens=self._prompt_tokens)
+
+
+_LIVE_LOOPS: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()
+_exit_handler_registered = False
+
+
+def _close_at_exit(loop: EngineLoop) -> None:
+    """Close ``loop`` when the interpreter exits, before daemon threads are frozen: a loop thread
+    still inside XLA's C++ at that moment (a script that exits right after its last call) is unwound
+    by force and the process aborts ("FATAL: exception not rethrown") after its work is done.
+    Registered on first use, after JAX's own exit handlers, so it runs before them."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_close_live_loops)
+        _exit_handler_registered = True
+    _LIVE_LOOPS.add(loop)
+
+
+def _close_live_loops() -> None:
+    for loop in list(_LIVE_LOOPS):
+        try:
+            loop.close(timeout_s=10.0)
+        except Exception:  # exiting anyway: never turn a clean exit into an error
+            logger.debug("closing an engine loop at exit failed", exc_info=True)
 
 
 def _aborted_before_added(request_id: str) -> RequestOutput:
