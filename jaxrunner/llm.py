@@ -9,6 +9,7 @@ import threading
 from typing import Iterator, Sequence
 
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
+from jaxrunner.engine.engine import check_unicode
 from jaxrunner.engine.loop import EngineLoop
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.runner.builder import create_engine
@@ -330,11 +331,7 @@ def check_conversation(conversation) -> None:
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{index}].content: expected a string, got "
                              f"{type(message.get('content')).__name__}")
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer can take it
-            raise ValueError(f"messages[{index}].content: not valid Unicode text ({err.reason} at index "
-                             f"{err.start})") from None
+        check_unicode(message["content"], f"messages[{index}].content")
 
 
 # vLLM's LLM(...) name -> jaxrunner's EngineConfig field for the same knob

@@ -68,11 +68,12 @@ def _token_id_list(token_ids) -> list[int]:
     return [int(t) for t in token_ids]
 
 
-def _check_unicode(text: str) -> None:
+def check_unicode(text: str, field: str = "prompt") -> None:
+    """A lone surrogate (JSON's "\\ud800") reaches no tokenizer: a ValueError naming ``field``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"prompt: not valid Unicode text ({err.reason} at index {err.start})") from None
+        raise ValueError(f"{field}: not valid Unicode text ({err.reason} at index {err.start})") from None
 
 
 def _check_owner(engine) -> None:
@@ -201,7 +202,7 @@ class LLMEngine:
         if not isinstance(prompt, str):
             raise ValueError(f"prompt: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
                              f"got {type(prompt).__name__}")
-        _check_unicode(prompt)
+        check_unicode(prompt)
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
         return prompt, list(self.tokenizer.encode(prompt))

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxrunner
 from jaxrunner.async_llm import AsyncLLM, RequestStream
+from jaxrunner.engine.engine import check_unicode
 from jaxrunner.engine.loop import EngineLoopClosed, EngineLoopDied
 from jaxrunner.entrypoints.openai import protocol
 from jaxrunner.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
@@ -281,9 +282,9 @@ def _tokenize(async_llm: AsyncLLM, body) -> dict:
         tokens = prompt["prompt_token_ids"]
     elif body.prompt is not None:
         try:
-            body.prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError("prompt: not valid Unicode text", param="prompt") from None
+            check_unicode(body.prompt)
+        except ValueError as err:
+            raise RequestError(str(err), param="prompt") from None
         tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise RequestError("prompt: give `prompt` or `messages`", param="prompt")
