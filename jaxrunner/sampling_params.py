@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -20,6 +21,64 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4
 # Seeds are 64-bit (both halves feed the sampler's key), as torch generators take them in vLLM.
 SEED_RANGE = (0, 2**64)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM spells it: exactly one of ``json`` (a JSON schema, as a
+    dict or its text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark,
+    or llama.cpp's GBNF) or ``json_object`` (any JSON object). The engine compiles it with
+    llguidance when the request is added; a schema or grammar that does not compile is refused then."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False         # JSON: no whitespace beyond one separator form
+    disable_additional_properties: bool = False  # JSON: objects get only the properties the schema names
+    whitespace_pattern: str | None = None        # JSON: the regex whitespace must match
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+        _require(len(given) == 1, "structured_outputs", given or None,
+                 f"must set exactly one of {', '.join(CONSTRAINT_KINDS)}", prefix="")
+        if self.json is not None:
+            _require(isinstance(self.json, (str, dict)), "structured_outputs.json", type(self.json).__name__,
+                     "must be a JSON schema (a dict or its JSON text)", prefix="")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value != ""), f"structured_outputs.{name}",
+                     value, "must be a non-empty string", prefix="")
+        if self.choice is not None:
+            _require(not isinstance(self.choice, (str, bytes, dict)) and len(self.choice) > 0
+                     and all(isinstance(c, str) and c != "" for c in self.choice),
+                     "structured_outputs.choice", self.choice, "must be a non-empty list of non-empty strings",
+                     prefix="")
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, bool), f"structured_outputs.{name}", value,
+                     "must be True or False", prefix="")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, value: Any) -> StructuredOutputsParams:
+        """vLLM's request field ``structured_outputs`` (a JSON object); unknown keys are refused."""
+        if isinstance(value, cls):
+            return value
+        _require(isinstance(value, dict), "structured_outputs", value, "must be an object", prefix="")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, "structured_outputs", unknown, f"unknown keys; valid: {sorted(known)}", prefix="")
+        return cls(**value)
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -45,6 +104,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never generate these words (vLLM semantics)
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex ...)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -52,6 +112,8 @@ class SamplingParams:
         self._check_bools()
         self._normalize_stops()
         self._normalize_token_options()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -158,9 +220,9 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _require(ok: bool, field: str, value, why: str) -> None:
+def _require(ok: bool, field: str, value, why: str, prefix: str = "SamplingParams.") -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field}={value!r}: {why}")
+        raise ValueError(f"{prefix}{field}={value!r}: {why}")
 
 
 def _require_int(field: str, value) -> None:

@@ -63,7 +63,7 @@ def test_inverse_cdf_draws_follow_the_distribution():
 
 
 def _sampling(rows: int, **fields):
-    params = SamplingMetadata.empty(rows, 16)
+    params = SamplingMetadata.empty(rows, 16, vocab_size=151936)  # a bitmask wide enough for every test's logits
     for name, value in fields.items():
         getattr(params, name)[:] = value
     return params
@@ -229,3 +229,23 @@ def test_prompt_logprobs_match_numpy_log_softmax():
     top = np.argsort(-logprobs, axis=-1)[:, :sampler.MAX_LOGPROBS]
     np.testing.assert_array_equal(got["prompt_top_ids"], top)
     np.testing.assert_allclose(got["prompt_top_logprobs"], np.take_along_axis(logprobs, top, -1), atol=1e-4)
+
+
+def test_token_bitmask_keeps_exactly_the_allowed_tokens():
+    """Rows with a bitmask sample only tokens whose bit is set (llguidance's layout); a free row is untouched."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 4, 1000
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    params = _sampling(rows, temperature=1.0, seeds=np.arange(rows), num_logprobs=0)
+    allowed = [rng.choice(vocab, size, replace=False) for size in (1, 3, 40)]
+    for row, ids in enumerate(allowed):
+        words = np.zeros(params.token_bitmask.shape[1], np.uint32)
+        np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+        params.token_bitmask[row] = words.view(np.int32)
+    out = jax.jit(sampler.sample)(logits, params)
+    for row, ids in enumerate(allowed):
+        assert int(out["tokens"][row]) in set(ids.tolist())
+    free = jax.jit(sampler.sample)(logits, _sampling(rows, temperature=1.0, seeds=np.arange(rows), num_logprobs=0))
+    assert int(out["tokens"][3]) == int(free["tokens"][3])
+    raw = logits - np.log(np.sum(np.exp(logits), axis=-1, keepdims=True))  # logprobs are the raw model's
+    np.testing.assert_allclose(out["logprobs"], raw[np.arange(rows), np.asarray(out["tokens"])], rtol=1e-5, atol=1e-5)

@@ -65,7 +65,7 @@ def test_every_bucket_has_room_for_the_proposals_a_step_can_carry():
 # ----------------------------------------------------------------------------- rejection sampling
 def _verify(logits: np.ndarray, draft: int, temperature: float, draws: int, **filters) -> np.ndarray:
     """Tokens of ``draws`` rows (seeds 0..draws-1) that each verify ``draft`` under ``logits``."""
-    params = SamplingMetadata.empty(draws, 16)
+    params = SamplingMetadata.empty(draws, 16, vocab_size=logits.shape[-1])
     params.temperature[:] = temperature
     params.seeds[:] = np.arange(draws)
     params.positions[:] = 7

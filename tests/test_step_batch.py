@@ -20,6 +20,7 @@ from jaxrunner.runner.warmup import random_dummy_batch, zeros_dummy_batch
 from jaxrunner.sampling_params import SamplingParams
 
 PAGE_SIZE = 8
+VOCAB = 512  # the vocabulary the dummy batches draw from (the token bitmask's width)
 PLAIN, SPECULATIVE = Bucket(32, 4, 4), Bucket(32, 4, 4, num_draft_rows=6)
 
 
@@ -37,7 +38,7 @@ def _served(bucket: Bucket) -> StepBatch:
     prefill = _running("prefill", list(range(20, 40)), 8, [3, 4, 5], prompt_logprobs=2, repetition_penalty=1.2)
     decode_chunk = ScheduledChunk(decode, 9, 3, [41, 42]) if bucket.num_draft_rows else ScheduledChunk(decode, 9, 1)
     chunks = [decode_chunk, ScheduledChunk(prefill, 8, 10)]
-    return pack_step(chunks, bucket, PAGE_SIZE, eos_token_ids=(2,))
+    return pack_step(chunks, bucket, PAGE_SIZE, VOCAB, eos_token_ids=(2,))
 
 
 def _signature(batch) -> tuple:
@@ -48,7 +49,7 @@ def test_step_batch_is_a_registered_pytree():
     batch = _served(SPECULATIVE)
     leaves, tree = jax.tree.flatten(batch)
     assert all(isinstance(x, np.ndarray) for x in leaves)
-    assert len(leaves) == 5 + 5 + 17 + 4  # own arrays, attention, sampling (draft_tokens None), draft rows
+    assert len(leaves) == 5 + 5 + 18 + 4  # own arrays, attention, sampling (draft_tokens None), draft rows
     rebuilt = jax.tree.unflatten(tree, leaves)
     assert isinstance(rebuilt, StepBatch) and isinstance(rebuilt.attention, AttentionMetadata)
     assert isinstance(rebuilt.sampling, SamplingMetadata) and isinstance(rebuilt.draft_rows, DraftRows)
@@ -63,9 +64,9 @@ def test_step_batch_is_a_registered_pytree():
 def test_served_and_dummy_batches_of_a_bucket_match(bucket):
     served = _served(bucket)
     for seed in range(5):
-        dummy = random_dummy_batch(jax.random.key(seed), bucket, PAGE_SIZE, 64, 512, 32)
+        dummy = random_dummy_batch(jax.random.key(seed), bucket, PAGE_SIZE, 64, VOCAB, 32)
         assert _signature(dummy) == _signature(served)
-    assert _signature(zeros_dummy_batch(bucket, PAGE_SIZE)) == _signature(served)
+    assert _signature(zeros_dummy_batch(bucket, PAGE_SIZE, VOCAB)) == _signature(served)
 
 
 def test_one_trace_serves_dummy_and_served_batches():
@@ -121,9 +122,9 @@ def test_layout_refuses_what_does_not_fit():
     rows = SequenceRows(token_ids=np.arange(3), feed_rows=np.full(3, -1), kv_len=3, pages=np.array([1]),
                         sampling=SamplingRow(), num_drafts=2)
     with pytest.raises(RuntimeError, match="draft rows"):
-        lay_out(PLAIN, PAGE_SIZE, [rows])
+        lay_out(PLAIN, PAGE_SIZE, VOCAB, [rows])
     with pytest.raises(RuntimeError, match="do not fit bucket"):
-        lay_out(PLAIN, PAGE_SIZE, [dataclasses.replace(rows, num_drafts=0)] * 5)
+        lay_out(PLAIN, PAGE_SIZE, VOCAB, [dataclasses.replace(rows, num_drafts=0)] * 5)
     with pytest.raises(RuntimeError, match="logit_bias_ids: 65 entries"):
-        lay_out(PLAIN, PAGE_SIZE, [dataclasses.replace(rows, num_drafts=0,
+        lay_out(PLAIN, PAGE_SIZE, VOCAB, [dataclasses.replace(rows, num_drafts=0,
                                                        sampling=SamplingRow(logit_bias_ids=list(range(65))))])

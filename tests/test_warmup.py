@@ -59,12 +59,12 @@ def test_pack_step_feeds_a_token_still_on_the_device():
     for request, computed, pages in ((known, 3, [1]), (pending, 2, [2])):
         request.num_computed_tokens, request.page_ids = computed, pages
     chunks = [ScheduledChunk(known, 3, 1), ScheduledChunk(pending, 2, 1)]
-    batch = pack_step(chunks, Bucket(16, 4, 2), 8, feed_rows={pending: 5})
+    batch = pack_step(chunks, Bucket(16, 4, 2), 8, 64, feed_rows={pending: 5})
     assert batch.token_ids[:2].tolist() == [8, 0] and batch.feed_rows[:3].tolist() == [-1, 5, -1]
     assert batch.sampling.positions[:2].tolist() == [4, 3]
     assert batch.sampling.banned[1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
     with pytest.raises(RuntimeError, match="on the device"):
-        pack_step(chunks, Bucket(16, 4, 2), 8)
+        pack_step(chunks, Bucket(16, 4, 2), 8, 64)
 
 
 def test_random_and_zero_batches_lower_to_the_same_program(tiny_checkpoints):
@@ -72,7 +72,7 @@ def test_random_and_zero_batches_lower_to_the_same_program(tiny_checkpoints):
     runner = llm.engine.executor.runner
     bucket = llm.engine.executor.bucket_plan.buckets()[-1]
     random_batch = random_dummy_batch(jax.random.key(3), bucket, 8, runner.cache_spec.num_pages, 512, 128)
-    assert runner.lower(random_batch).as_text() == runner.lower(zeros_dummy_batch(bucket, 8)).as_text()
+    assert runner.lower(random_batch).as_text() == runner.lower(zeros_dummy_batch(bucket, 8, runner.cfg.vocab_size)).as_text()
 
 
 def test_startup_report_matches_what_was_allocated(tiny_checkpoints):

@@ -39,6 +39,7 @@ from jaxrunner.engine.page_allocator import PageAllocator
 from jaxrunner.engine.request import Request, check_request_id_free
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxrunner.engine.spec_decode import NgramProposer
+from jaxrunner.engine.structured_output import GrammarCompiler
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
@@ -115,6 +116,7 @@ class LLMEngine:
         self.executor = executors[0]  # replicas serve the same model with the same limits
         self.max_model_len = min(executor.max_model_len for executor in executors)
         self.output_processor = OutputProcessor(self.executor.tokenizer, self.executor.eos_token_ids)
+        self.grammars = GrammarCompiler(self.executor.tokenizer, self.executor.vocab_size, self.executor.eos_token_ids)
         self._replica_of: dict[str, _Replica] = {}
         self._arrivals = itertools.count()
         # recent steps only: a long-running server must not grow a list per step forever
@@ -161,6 +163,7 @@ class LLMEngine:
             replica.executor.tokenizer = tokenizer
         self.output_processor.tokenizer = tokenizer
         self.output_processor.eos_token_ids = self.executor.eos_token_ids
+        self.grammars = GrammarCompiler(tokenizer, self.executor.vocab_size, self.executor.eos_token_ids)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -252,6 +255,8 @@ class LLMEngine:
         if banned > limits.max_banned_tokens:
             raise ValueError(f"SamplingParams.bad_words: {banned} banned token sequences (bad words, with "
                              f"stop_token_ids and EOS under min_tokens), at most {limits.max_banned_tokens} are supported")
+        if params.structured_outputs is not None:
+            self.grammars.grammar(params.structured_outputs)  # compiles it: a ValueError names the field
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as vLLM tokenizes them: the word as given (left-stripped),
@@ -286,6 +291,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_index=arrival,
                           max_tokens=self._output_cap(params, len(token_ids)), seed=seed,
                           bad_words_token_ids=self._bad_words_token_ids(params))
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(self.grammars.grammar(params.structured_outputs))
         replica = min(self.replicas, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
         replica.scheduler.add(request)
         self._replica_of[request_id] = replica
@@ -327,7 +334,16 @@ class LLMEngine:
         plan = replica.scheduler.schedule()
         if plan.is_empty:
             return None
+        self._fill_bitmasks(plan)
         return _PendingStep(replica, plan, replica.executor.execute(plan, feed_rows))
+
+    def _fill_bitmasks(self, plan) -> None:
+        """The allowed next tokens of each constrained request this step samples for (its matcher
+        has seen every past token: such requests keep steps synchronous)."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.grammar is not None:
+                request.next_token_bitmask = self.grammars.fill_bitmask(request.grammar) if chunk.sample else None
 
     def _async_enabled(self) -> bool:
         return self.config.async_scheduling and not self.executor.synchronous

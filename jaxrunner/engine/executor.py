@@ -22,6 +22,16 @@ class SamplingLimits:
     max_banned_tokens: int      # banned per row and step: bad words, and stop ids + EOS under min_tokens
 
 
+# Structured output crosses this door as a token bitmask per sampled row: bit t % 32 of int32 word
+# t // 32 allows token t (llguidance's layout); FREE_ROW words allow every token.
+FREE_ROW = -1
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words of one row of token bitmask over ``vocab_size`` logits."""
+    return (vocab_size + 31) // 32
+
+
 class StepHandle(Protocol):
     """A dispatched step, possibly still running on the devices."""
 

@@ -7,8 +7,8 @@ The processor's rules:
 
 * a sampled token is appended with its logprobs, then the request may stop: on EOS (unless
   ``ignore_eos``), a ``stop_token_ids`` entry or a stop string, once ``min_tokens`` outputs exist
-  (stop reason: the token id, the string, or None for EOS), and at ``Request.max_tokens`` outputs
-  ("length");
+  (stop reason: the token id, the string, or None for EOS), when the request's structured-output
+  grammar can go no further ("stop"), and at ``Request.max_tokens`` outputs ("length");
 * with speculative decoding the rows verifying proposals come first: each token is kept, and the
   walk goes on only while it equals the proposal its row checked;
 * prompt logprobs arrive chunk by chunk: the row of prompt position p holds those of the token at
@@ -22,6 +22,7 @@ row), hands each sampled chunk's rows here, and tells the scheduler when a reque
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -31,6 +32,8 @@ from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMe
 
 if TYPE_CHECKING:
     from jaxrunner.engine.scheduler import ScheduledChunk
+
+_logger = logging.getLogger("jaxrunner")
 
 
 @dataclasses.dataclass
@@ -113,6 +116,11 @@ class OutputProcessor:
             state.logprobs.append(self._logprobs_dict(
                 token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
                 sampled["top_ids"][row], sampled["top_logprobs"][row]))
+        if request.grammar is not None and not request.grammar.consume_token(token):
+            # the sampler only draws tokens the grammar allowed: this is a defect, not the user's
+            _logger.error("request %r: the grammar refused sampled token %d (%s); the request is stopped",
+                          request.request_id, token, request.grammar.get_error())
+            return token, "abort"
         return token, self._finish_reason(state, token, delta_len)
 
     def _finish_reason(self, state: RequestState, token: int, delta_len: int) -> str | None:
@@ -126,6 +134,8 @@ class OutputProcessor:
             if stop is not None:
                 state.stop_reason = stop
                 return "stop"
+        if request.grammar is not None and request.grammar.is_stopped():
+            return "stop"  # the constraint is complete: nothing but EOS could follow
         if request.num_output_tokens >= request.max_tokens:
             return "length"
         return None

@@ -5,8 +5,9 @@ A ``Request`` is the one record of a request's progress; each piece has one writ
 * the scheduler owns progress: the status (WAITING, RUNNING, FINISHED), ``num_computed_tokens``,
   ``page_ids`` and ``num_cached_tokens`` (from what the page allocator hands it; the allocator
   only reads a request), preemptions and the speculative back-off;
-* the engine sets the request up (``max_tokens``, ``seed``, ``bad_words_token_ids``) and, with
-  async scheduling, counts a token that a dispatched step will sample (``expect_output``), so the
+* the engine sets the request up (``max_tokens``, ``seed``, ``bad_words_token_ids``, the
+  structured-output ``grammar``), fills ``next_token_bitmask`` before a step samples for a
+  constrained request, and, with async scheduling, counts a token that a dispatched step will sample (``expect_output``), so the
   next step can be planned before that token reaches the host;
 * the output processor (``engine.output_processor``) appends sampled tokens (``append_output``)
   and decides when the request stops; its text, logprobs and stop reason live there, not here.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxrunner.sampling_params import SamplingParams
 
@@ -62,6 +64,10 @@ class Request:
     seed: int | None = None  # the sampler's 64-bit seed for this request, chosen by the engine
     # SamplingParams.bad_words as token sequences (the engine tokenizes them, as vLLM does).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Structured output (``engine.structured_output``): the llguidance matcher, fed every output
+    # token, and the bitmask of the tokens it allows next (filled for each step that samples).
+    grammar: Any = None
+    next_token_bitmask: Any = None
     # Tokens sampled by a step still on the device: counted in num_tokens, not yet in
     # output_token_ids (the next step reads them on the device). At most one under async scheduling.
     num_pending_outputs: int = 0
@@ -90,17 +96,19 @@ class Request:
     @property
     def needs_host_history(self) -> bool:
         """Whether sampling this request's next token reads its past tokens on the host: penalties,
-        and bad words of several tokens (their prefix is matched against the output).
+        bad words of several tokens (their prefix is matched against the output), and structured
+        output (the grammar matcher has consumed every past token).
 
         The rule that follows, stated here only: while such a request is queued, steps run
         synchronously (async scheduling waits for the step in flight, so no token of it is still
         on the device when the next step is packed)."""
-        return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
+        return (self.sampling_params.uses_penalties or self.grammar is not None
+                or any(len(word) > 1 for word in self.bad_words_token_ids))
 
     @property
     def may_speculate(self) -> bool:
         """Whether proposals may be verified for this request: not when its sampling depends on
-        outputs counted on the host (penalties, bad words, ``min_tokens`` bans) or it wants prompt
+        outputs counted on the host (penalties, bad words, structured output, ``min_tokens`` bans) or it wants prompt
         logprobs."""
         sp = self.sampling_params
         return not self.needs_host_history and sp.prompt_logprobs is None and self.num_expected_outputs >= sp.min_tokens

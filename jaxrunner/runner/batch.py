@@ -21,7 +21,7 @@ from jaxrunner.runner.sampler import NO_TOKEN
 from jaxrunner.runner.step_batch import NO_FEED, SamplingRow, SequenceRows, StepBatch, lay_out
 
 
-def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
+def pack_step(chunks, bucket: Bucket, page_size: int, vocab_size: int, eos_token_ids=(),
               max_prefill_seqs: int | None = None, feed_rows: dict | None = None) -> StepBatch:
     """Lay out the scheduled chunks (decodes and prefill chunks alike) back to back.
 
@@ -32,7 +32,7 @@ def pack_step(chunks, bucket: Bucket, page_size: int, eos_token_ids=(),
     prefills = sum(chunk.num_tokens > 1 for chunk in chunks)
     if max_prefill_seqs is not None and prefills > max_prefill_seqs:
         raise RuntimeError(f"step plan has {prefills} prefill chunks, the executables allow {max_prefill_seqs}")
-    return lay_out(bucket, page_size, [_sequence_rows(chunk, eos_token_ids, feed_rows) for chunk in chunks])
+    return lay_out(bucket, page_size, vocab_size, [_sequence_rows(chunk, eos_token_ids, feed_rows) for chunk in chunks])
 
 
 def _sequence_rows(chunk, eos_token_ids, feed_rows) -> SequenceRows:

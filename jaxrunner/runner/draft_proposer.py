@@ -166,7 +166,7 @@ class DraftModelProposer:
     def _packed(self, rows: list[SequenceRows]):
         widest = max(len(row.pages) for row in rows)
         bucket = self.bucket_plan.select(sum(len(row.token_ids) for row in rows), len(rows), widest)
-        return bucket, lay_out(bucket, self.page_size, rows)
+        return bucket, lay_out(bucket, self.page_size, self.runner.cfg.vocab_size, rows)
 
 
 def _common_prefix(a: list[int], b: list[int], start: int, most: int) -> int:

@@ -79,7 +79,7 @@ class Executor:
     def execute(self, plan, feed_rows: dict | None) -> StepHandle:
         widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
         bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
-        batch = pack_step(plan.chunks, bucket, self.page_size, self.eos_token_ids, self.max_prefill_seqs, feed_rows)
+        batch = pack_step(plan.chunks, bucket, self.page_size, self.vocab_size, self.eos_token_ids, self.max_prefill_seqs, feed_rows)
         return StepHandle(self.runner.dispatch(bucket, batch), bucket.num_seqs)
 
     def fetch(self, handle: StepHandle, prompt_logprobs: bool) -> dict:

@@ -6,7 +6,7 @@ expensive parts (penalty counts, the vocabulary sort behind top-k/top-p, Gumbel 
 logprobs) sit behind ``lax.cond`` on whether *any* row needs them: a greedy batch never pays for
 them, and warm-up must feed random sampling parameters so that every branch is compiled and run.
 
-Order, as vLLM applies them: ``allowed_token_ids`` mask, ``logit_bias``, banned tokens (EOS and
+Order, as vLLM applies them: the structured-output token bitmask, ``allowed_token_ids`` mask, ``logit_bias``, banned tokens (EOS and
 stop ids under ``min_tokens``, the last token of a bad word), penalties, then temperature and the
 filters. Token-id options travel as fixed-width per-row arrays padded with ``NO_TOKEN`` (widths in
 ``runner.step_batch``), so one executable serves every mix of them. The settings arrive as the
@@ -184,6 +184,16 @@ def _keep_allowed(logits, allowed):
     return jnp.where(restricted & ~mask, -jnp.inf, logits)
 
 
+def _keep_bitmask(logits, bitmask):
+    """Structured output: keep the logits of the tokens whose bit is set in the row's bitmask
+    (bit t % 32 of word t // 32); a free row has every bit set."""
+    rows, vocab = logits.shape
+    if bitmask.shape[-1] * 32 < vocab:
+        raise ValueError(f"token bitmask of {bitmask.shape[-1]} words covers fewer than the {vocab} logits")
+    bits = jnp.right_shift(bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(rows, -1)[:, :vocab] != 0, logits, -jnp.inf)
+
+
 def _add_logit_bias(logits, ids, values):
     valid = ids >= 0
     return logits.at[_row_index(ids), jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
@@ -225,7 +235,10 @@ def _maybe(flag, fn, x):
 
 
 def _process_logits(logits, sampling: SamplingMetadata):
-    """Allowed tokens, logit bias, bans, penalties: each only in batches where some row uses it."""
+    """Structured-output bitmask, allowed tokens, logit bias, bans, penalties: each only in
+    batches where some row uses it."""
+    bitmask = sampling.token_bitmask
+    logits = _maybe(jnp.any(bitmask != -1), lambda l: _keep_bitmask(l, bitmask), logits)
     allowed = sampling.allowed_token_ids
     logits = _maybe(jnp.any(allowed >= 0), lambda l: _keep_allowed(l, allowed), logits)
     bias_ids, bias_values = sampling.logit_bias_ids, sampling.logit_bias_values

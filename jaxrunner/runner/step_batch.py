@@ -32,6 +32,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jaxrunner.engine.executor import FREE_ROW, bitmask_words
 from jaxrunner.kernels import SCRATCH_PAGE
 from jaxrunner.models.attention import AttentionMetadata
 from jaxrunner.runner.buckets import Bucket
@@ -59,7 +60,7 @@ def _pytree(*data_fields: str):
 # history columns, R draft rows.
 @_pytree("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
          "seeds", "seeds_high", "positions", "history", "prompt_lens", "banned", "allowed_token_ids",
-         "logit_bias_ids", "logit_bias_values", "num_logprobs", "draft_tokens")
+         "logit_bias_ids", "logit_bias_values", "num_logprobs", "token_bitmask", "draft_tokens")
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
     """Each sampled row's settings (``runner.sampler.sample``). A padding row's values turn every
@@ -82,12 +83,13 @@ class SamplingMetadata:
     logit_bias_ids: np.ndarray      # [S, MAX_LOGIT_BIAS] int32: ids whose logit gets a bias, NO_TOKEN padded
     logit_bias_values: np.ndarray   # [S, MAX_LOGIT_BIAS] float32: the bias added to each
     num_logprobs: np.ndarray        # [S] int32: top logprobs wanted (0: the sampled token's only), NO_LOGPROBS: none
+    token_bitmask: np.ndarray       # [S, ceil(V / 32)] int32: bit t % 32 of word t // 32 allows token t (-1: all)
     # [S + R] int32: the proposal each row verifies, NO_TOKEN for none. Only in the sampler's view of
     # a batch with draft rows (``sampler.with_draft_rows``); None in every StepBatch.
     draft_tokens: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, rows: int, history_width: int) -> SamplingMetadata:
+    def empty(cls, rows: int, history_width: int, vocab_size: int) -> SamplingMetadata:
         return cls(
             temperature=np.zeros(rows, np.float32),
             top_k=np.zeros(rows, np.int32),
@@ -106,6 +108,7 @@ class SamplingMetadata:
             logit_bias_ids=np.full((rows, MAX_LOGIT_BIAS), NO_TOKEN, np.int32),
             logit_bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
             num_logprobs=np.full(rows, NO_LOGPROBS, np.int32),
+            token_bitmask=np.full((rows, bitmask_words(vocab_size)), FREE_ROW, np.int32),
         )
 
 
@@ -142,7 +145,7 @@ class StepBatch:
     draft_rows: DraftRows | None  # speculative verification rows; None in buckets without them
 
     @classmethod
-    def empty(cls, bucket: Bucket, page_size: int) -> StepBatch:
+    def empty(cls, bucket: Bucket, page_size: int, vocab_size: int) -> StepBatch:
         """A batch of ``bucket``'s shape with nothing in it (every row padding)."""
         t, s, w = bucket.num_tokens, bucket.num_seqs, bucket.num_pages
         attention = AttentionMetadata(slot_mapping=np.full(t, SCRATCH_PAGE * page_size, np.int32),
@@ -152,7 +155,7 @@ class StepBatch:
         return cls(token_ids=np.zeros(t, np.int32), feed_rows=np.full(t, NO_FEED, np.int32),
                    positions=np.zeros(t, np.int32), logits_indices=np.zeros(s, np.int32),
                    prompt_targets=np.full(t, NO_TOKEN, np.int32), attention=attention,
-                   sampling=SamplingMetadata.empty(s, w * page_size),
+                   sampling=SamplingMetadata.empty(s, w * page_size, vocab_size),
                    draft_rows=DraftRows.empty(bucket.num_draft_rows) if bucket.num_draft_rows else None)
 
     @property
@@ -188,6 +191,7 @@ class SamplingRow:
     logit_bias_ids: Sequence[int] = ()
     logit_bias_values: Sequence[float] = ()
     num_logprobs: int = NO_LOGPROBS
+    token_bitmask: Sequence[int] = ()  # a whole row (structured output), or () for no constraint
 
     @classmethod
     def from_request(cls, request, eos_token_ids=()) -> SamplingRow:
@@ -204,7 +208,8 @@ class SamplingRow:
                    history=request.all_token_ids if sp.uses_penalties else (),
                    banned=banned_tokens(request, eos_token_ids), allowed_token_ids=sp.allowed_token_ids or (),
                    logit_bias_ids=list(bias), logit_bias_values=list(bias.values()),
-                   num_logprobs=NO_LOGPROBS if sp.logprobs is None else sp.logprobs)
+                   num_logprobs=NO_LOGPROBS if sp.logprobs is None else sp.logprobs,
+                   token_bitmask=() if request.next_token_bitmask is None else request.next_token_bitmask)
 
 
 def banned_tokens(request, eos_token_ids) -> list[int]:
@@ -257,6 +262,11 @@ def random_sampling_rows(rng: np.random.Generator, prompt_lens: Sequence[int], v
         width = int(rng.integers(1, MAX_ALLOWED_TOKEN_IDS + 1))
         ids = iter(rng.integers(0, vocab, (int(np.sum(restricted)), width)))
         columns.update(allowed_token_ids=[next(ids) if r else () for r in restricted])
+    if on():  # some rows constrained to random tokens (at least one each), the others free
+        words = bitmask_words(vocab)
+        masks = rng.integers(np.iinfo(np.int32).min, np.iinfo(np.int32).max, (rows, words), dtype=np.int32, endpoint=True)
+        masks[:, 0] |= 1
+        columns.update(token_bitmask=[m if c else () for m, c in zip(masks, rng.random(rows) < 0.5)])
     if on():
         width = int(rng.integers(1, MAX_LOGIT_BIAS + 1))
         columns.update(logit_bias_ids=rng.integers(0, vocab, (rows, width)),
@@ -279,12 +289,13 @@ class SequenceRows:
 
 
 # ----------------------------------------------------------------------------- the layout
-def lay_out(bucket: Bucket, page_size: int, sequences: Sequence[SequenceRows]) -> StepBatch:
-    """The batch of ``bucket``'s shape holding ``sequences`` back to back, the rest padding."""
+def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence[SequenceRows]) -> StepBatch:
+    """The batch of ``bucket``'s shape holding ``sequences`` back to back, the rest padding
+    (``vocab_size``: the model's logits, which the token bitmask covers)."""
     if len(sequences) > bucket.num_seqs or sum(len(seq.token_ids) for seq in sequences) > bucket.num_tokens:
         raise RuntimeError(f"{len(sequences)} sequences of {sum(len(seq.token_ids) for seq in sequences)} tokens "
                            f"do not fit bucket {bucket}")
-    batch = StepBatch.empty(bucket, page_size)
+    batch = StepBatch.empty(bucket, page_size, vocab_size)
     cursor, draft_row = 0, 0
     for slot, seq in enumerate(sequences):
         _lay_out_tokens(batch, slot, seq, cursor, page_size)

@@ -109,16 +109,16 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     if rng.random() < 0.5:
         targets = np.where(rng.random(tokens) < 0.5, rng.integers(0, vocab_size, tokens), NO_TOKEN)
     starts = np.cumsum(q_lens) - q_lens
-    return lay_out(bucket, page_size, [
+    return lay_out(bucket, page_size, vocab_size, [
         SequenceRows(token_ids=query.token_ids, feed_rows=feed[start:start + q_len], kv_len=query.kv_len,
                      pages=query.pages, prompt_targets=None if targets is None else targets[start:start + q_len],
                      sampling=row, num_drafts=k)
         for query, q_len, start, row, k in zip(queries, q_lens, starts, sampling, drafts)])
 
 
-def zeros_dummy_batch(bucket: Bucket, page_size: int) -> StepBatch:
+def zeros_dummy_batch(bucket: Bucket, page_size: int, vocab_size: int) -> StepBatch:
     """The zero-filled batch (for comparison only): same shapes, so the same executables."""
-    batch = StepBatch.empty(bucket, page_size)
+    batch = StepBatch.empty(bucket, page_size, vocab_size)
     batch.attention.num_seqs[...] = bucket.num_seqs
     return batch
 
@@ -185,7 +185,7 @@ def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_si
                                          vocab_size, max_model_len, max_prefill_seqs, WARMUP_MAX_CONTEXT)
                    for i, b in enumerate(buckets)}
     else:
-        batches = {b: zeros_dummy_batch(b, page_size) for b in buckets}
+        batches = {b: zeros_dummy_batch(b, page_size, vocab_size) for b in buckets}
     built = time.perf_counter()
     per_bucket = runner.compile_all(batches)
     compiled = time.perf_counter()
@@ -227,7 +227,7 @@ def expert_load_report(runner, architecture, bucket: Bucket, random_batch: StepB
     probe = jax.jit(architecture.expert_load)
     cfg = architecture.cfg
     report = {"bucket": str(bucket), "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok}
-    for name, batch in (("random", random_batch), ("zeros", zeros_dummy_batch(bucket, page_size))):
+    for name, batch in (("random", random_batch), ("zeros", zeros_dummy_batch(bucket, page_size, architecture.cfg.vocab_size))):
         live = batch.num_live_tokens
         segments = np.searchsorted(batch.attention.cu_q_lens[1:], np.arange(bucket.num_tokens), side="right")
         args = (runner.params, batch.token_ids, batch.positions, segments.astype(np.int32))
