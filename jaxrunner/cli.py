@@ -285,8 +285,18 @@ def cmd_serve(args) -> int:
                           shutdown_timeout_s=args.shutdown_timeout, generation_config=args.generation_config,
                           allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                           allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
-                          uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests)
+                          uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests,
+                          chat_template=_chat_template(args.chat_template),
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     return run_server(config, options)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM reads it)."""
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
 
 
 def cmd_bench(args) -> int:
@@ -353,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="log each request (id, prompt lengths, sampling params) to stderr")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template (a file, or the template text) for requests that give none")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto": calls are read from the output by --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "qwen3_xml"],
+                       help="the format the model writes tool calls in")
     serve.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
                        "after SIGINT/SIGTERM; those still running then end with an error event")

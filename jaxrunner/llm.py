@@ -165,22 +165,40 @@ class LLM:
         return [self._merge([finished[i] for i in group]) for group in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        ``tools`` (OpenAI function specs), ``chat_template`` and ``chat_template_kwargs`` go to the
+        template, as in vLLM's ``LLM.chat``; the output is text (the server parses tool calls)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: expected a conversation (a list of {{'role', 'content'}} dicts) or a "
                              f"list of them, got {type(messages).__name__ if messages else messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.chat_prompt(c, add_generation_prompt) for c in conversations],
+        template = dict(tools=tools, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                        continue_final_message=continue_final_message)
+        return self.generate([self.chat_prompt(c, add_generation_prompt, **template) for c in conversations],
                              sampling_params, use_tqdm)
 
-    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
-        """The conversation through the model's chat template, as text and token ids."""
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True, *,
+                    tools: list[dict] | None = None, chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> dict:
+        """The conversation through the chat template (the model's, or ``chat_template``), as text
+        and token ids. ``continue_final_message`` leaves the last (assistant) message open for the
+        model to go on with, instead of starting a new turn."""
         check_conversation(conversation)
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; use generate with a prompt")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError("messages: this model has no chat template; pass chat_template or use generate")
+        extra = _template_kwargs(chat_template_kwargs, add_generation_prompt, continue_final_message)
+        try:
+            text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, **extra)
+        except ValueError:
+            raise
+        except Exception as err:  # a template that raises or does not parse: the caller's template or input
+            raise ValueError(f"chat_template: rendering failed: {type(err).__name__}: {err}") from None
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -314,6 +332,25 @@ def _validate_at(loop: EngineLoop, index: int, prompt, params: SamplingParams):
         return loop.validate(prompt, params)
     except ValueError as err:
         raise ValueError(f"prompts[{index}]: {err}") from None
+
+
+# chat_template_kwargs may not set what apply_chat_template takes as its own arguments
+_TEMPLATE_ARGUMENTS = {"conversation", "tools", "chat_template", "tokenize", "add_generation_prompt",
+                       "continue_final_message", "documents", "return_dict", "return_tensors"}
+
+
+def _template_kwargs(kwargs: dict | None, add_generation_prompt: bool, continue_final_message: bool) -> dict:
+    """``chat_template_kwargs`` checked: a dict of extra template variables (Qwen3's ``enable_thinking``)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs: expected an object of template variables, got {type(kwargs).__name__}")
+    reserved = sorted(_TEMPLATE_ARGUMENTS & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {reserved} are arguments of their own, not template variables")
+    return dict(kwargs)
 
 
 def check_conversation(conversation) -> None:

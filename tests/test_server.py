@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import requires_smollm2
+from conftest import SERVER_KEY, requires_smollm2
 from engine_helpers import COMPILE_CACHE, count_compilations
 
 httpx = pytest.importorskip("httpx")
@@ -27,26 +27,8 @@ from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, b
 from server_helpers import free_port, serving, wait_for_health  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-KEY = "test-key"
+KEY = SERVER_KEY  # the session's server (conftest: served, client)
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
-
-
-@pytest.fixture(scope="module")
-def served():
-    """One SmolLM2 (small engine limits) behind a server on a thread; yields (base_url, llm, state)."""
-    if not os.path.exists(os.path.join(os.path.dirname(__file__), "conftest.py")):
-        pytest.skip("tests run from the source tree")
-    from jaxrunner import LLM
-
-    llm = LLM(MODEL, dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-              compilation_cache_dir=COMPILE_CACHE, progress=False, min_token_bucket=16)
-    with serving(llm, model=MODEL, api_key=KEY) as (base, state):
-        yield base, llm, state
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -221,19 +203,18 @@ def test_fields_not_built_are_refused_by_name_never_ignored(served):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     refused = [
-        ("chat/completions", {"response_format": {"type": "json_object"}}),
         ("chat/completions", {"response_format": {"type": "bogus"}}),
-        ("chat/completions", {"structured_outputs": {"json": {"type": "object"}}}),
-        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
-        ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-        ("chat/completions", {"chat_template": "{{ messages }}"}),
-        ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
-        ("chat/completions", {"continue_final_message": True}),
-        ("completions", {"echo": True}),
+        ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}),  # no tools
+        ("chat/completions", {"continue_final_message": True}),  # with add_generation_prompt (the default)
+        ("chat/completions", {"echo": True}),
+        ("chat/completions", {"guided_json": {"type": "object"}}),
+        ("chat/completions", {"functions": [{"name": "f"}]}),
         ("completions", {"best_of": 2}),
         ("completions", {"use_beam_search": True}),
-        ("completions", {"prompt_logprobs": 1}),
-        ("completions", {"truncate_prompt_tokens": 4}),
+        ("completions", {"prompt_logprobs": 1, "stream": True}),
+        ("completions", {"prompt_logprobs": 21}),
+        ("completions", {"truncate_prompt_tokens": 0}),
+        ("completions", {"truncate_prompt_tokens": 257}),
         ("completions", {"suffix": "end"}),
     ]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -251,6 +232,36 @@ def test_fields_not_built_are_refused_by_name_never_ignored(served):
         for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"messages": history},
                       {"some_future_field": 1}):
             assert http.post("/chat/completions", json={**chat, **extra}).status_code == 200, extra
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_echo_prompt_logprobs_and_truncation_as_in_llm_generate(served, client):
+    llm = served[1]
+    prompt = "The capital of France is"
+    reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=2),
+                             use_tqdm=False)[0]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True,
+                                      extra_body={"prompt_logprobs": 2})
+    choice = reply.choices[0]
+    assert choice.text == prompt + reference.outputs[0].text
+    n_prompt = len(reference.prompt_token_ids)
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == n_prompt + 6
+    for position in range(1, n_prompt):
+        token = reference.prompt_token_ids[position]
+        expected = reference.prompt_logprobs[position][token].logprob
+        assert choice.logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-5)
+        assert choice.prompt_logprobs[position][str(token)]["logprob"] == pytest.approx(expected, abs=1e-5)
+    assert choice.prompt_logprobs[0] is None
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == choice.text
+    ids = llm.get_tokenizer().encode(prompt)
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    last_three = llm.generate([{"prompt_token_ids": ids[-3:]}], SamplingParams(temperature=0, max_tokens=6),
+                              use_tqdm=False)[0]
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == last_three.outputs[0].text
 
 
 def test_chat_history_fields_reach_the_template():

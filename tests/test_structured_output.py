@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_smollm2
-from engine_helpers import COMPILE_CACHE, count_compilations
+from engine_helpers import count_compilations
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -24,12 +24,8 @@ NUM_SCHEMAS = 50
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from jaxrunner import LLM
-
-    # the limits of tests/test_server.py's engine: the same executables, compiled once
-    return LLM("smollm2-135m-instruct", dtype="float32", max_num_seqs=8, max_num_batched_tokens=128,
-               max_model_len=256, compilation_cache_dir=COMPILE_CACHE, progress=False, min_token_bucket=16)
+def llm(smollm2_small):
+    return smollm2_small  # the server tests' engine (conftest): loaded and compiled once
 
 
 def random_schema(rng: np.random.Generator, depth: int = 0) -> dict:

@@ -189,10 +189,21 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"n: {params.n} samples per request is served by LLM.generate, not add_request")
         text, token_ids = self._prompt_token_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            text, token_ids = self._truncated(text, token_ids, params.truncate_prompt_tokens)
         self._check_vocabulary("prompt_token_ids", token_ids)
         # the scheduler's own test of a request that could never run (empty, too long, too big)
         self.scheduler.check_fits(len(token_ids), self._output_cap(params, len(token_ids)))
         return ValidRequest(text, token_ids, params)
+
+    def _truncated(self, text: str | None, token_ids: list[int], keep: int) -> tuple[str | None, list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: max_model_len);
+        the text goes with a prompt that was cut (its tokens are what the request holds)."""
+        if keep > self.max_model_len:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens={keep}: must be at most max_model_len="
+                             f"{self.max_model_len} (or -1)")
+        keep = self.max_model_len if keep == -1 else keep
+        return (text, token_ids) if len(token_ids) <= keep else (None, token_ids[-keep:])
 
     def _prompt_token_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

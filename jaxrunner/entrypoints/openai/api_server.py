@@ -34,9 +34,12 @@ from jaxrunner.async_llm import AsyncLLM, RequestStream
 from jaxrunner.engine.engine import check_unicode
 from jaxrunner.engine.loop import EngineLoopClosed, EngineLoopDied
 from jaxrunner.entrypoints.openai import protocol
-from jaxrunner.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from jaxrunner.entrypoints.openai.logprobs import (chat_logprobs, completion_logprobs, echo_completion_logprobs, joined,
+                                                   prompt_logprobs_json)
 from jaxrunner.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from jaxrunner.entrypoints.openai.protocol import RequestError
+from jaxrunner.entrypoints.openai.tool_calls import ToolDeltas, ToolPlan, plan_tools, reply
+from jaxrunner.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger("jaxrunner.server")
 
@@ -60,6 +63,16 @@ class ServerConfig:
     allow_credentials: bool = False
     uvicorn_log_level: str = "warning"
     log_requests: bool = False  # one INFO line per request: id, prompt lengths, sampling params
+    chat_template: str | None = None  # --chat-template: a Jinja template (text) for requests that give none
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" reads calls with tool_call_parser
+    tool_call_parser: str | None = None    # hermes, llama3_json, mistral, qwen3_xml
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser "
+                             f"({', '.join(TOOL_PARSERS)})")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # a ValueError lists the valid names
 
     @property
     def model_names(self) -> list[str]:
@@ -80,6 +93,7 @@ class ServerState:
         self.async_llm: AsyncLLM | None = None
         self.sampling_defaults: dict = {}  # SamplingParams fields a request leaves unset
         self.created = int(time.time())
+        self.tool_parser = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
         if llm is not None:
             self.set_llm(llm)
 
@@ -179,7 +193,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         body = protocol.parse(protocol.TokenizeRequest, await _read_body(state, request))
         _check_model(state, body.model)
-        return _tokenize(state.ready(), body)
+        return _tokenize(state, body)
 
     @app.post("/detokenize")
     @_answering_errors
@@ -269,16 +283,19 @@ def _check_model(state: ServerState, model: str | None) -> None:
                            param="model", kind="not_found_error")
 
 
-def _tokenize(async_llm: AsyncLLM, body) -> dict:
+def _tokenize(state: ServerState, body) -> dict:
     """vLLM's /tokenize: a prompt, or messages through the chat template."""
+    async_llm = state.ready()
     engine = async_llm.engine
     if engine.tokenizer is None:
         raise RequestError("this model has no tokenizer", param="prompt")
     if body.messages is not None:
         try:
-            prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt)
+            prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt, tools=body.tools,
+                                               chat_template=body.chat_template or state.config.chat_template,
+                                               chat_template_kwargs=body.chat_template_kwargs)
         except ValueError as err:
-            raise RequestError(str(err), param="messages") from None
+            raise RequestError(str(err), param=protocol.field_of(str(err), {"prompt": "messages"})) from None
         tokens = prompt["prompt_token_ids"]
     elif body.prompt is not None:
         try:
@@ -372,49 +389,106 @@ def _admit(state: ServerState, loop, new_requests: int) -> None:
 async def _completions(state: ServerState, request: Request, body: protocol.CompletionRequest):
     _check_model(state, body.model)
     max_model_len = state.ready().engine.max_model_len
+    protocol.check_prompt_logprobs(body)
     params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len, state.sampling_defaults)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs are its prompt logprobs
+        params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
+    renames = {"prompt_token_ids": "prompt"}
+    if body.response_format is not None:
+        renames["structured_outputs"] = "response_format"
     call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl", "max_tokens", body.max_tokens,
-                  renames={"prompt_token_ids": "prompt"})
+                  renames=renames)
     call.model = body.model or call.model  # the name the client used, of those served
     tokenizer = state.async_llm.engine.tokenizer
     if body.stream:
-        return _event_stream(call, _completion_chunks(call, body.include_usage, body.logprobs, tokenizer))
+        return _event_stream(call, _completion_chunks(call, body, tokenizer))
     finals = await _final_outputs(call, request)
-    choices = [{"index": i, "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
-                "stop_reason": out.outputs[0].stop_reason,
-                "logprobs": completion_logprobs(out.outputs[0].logprobs, body.logprobs, tokenizer)}
-               for i, out in enumerate(finals)]
+    choices = []
+    for i, out in enumerate(finals):
+        completion = out.outputs[0]
+        echo_text, echo_logprobs = _echo(body, out, tokenizer)
+        choices.append({"index": i, "text": echo_text + completion.text, "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason,
+                        "logprobs": joined(echo_logprobs,
+                                           completion_logprobs(completion.logprobs, body.logprobs, tokenizer)),
+                        "prompt_logprobs": _prompt_logprobs(body, out, tokenizer)})
     return {"id": call.request_id, "object": "text_completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": _usage(call, finals)}
+
+
+def _echo(body: protocol.CompletionRequest, out, tokenizer) -> tuple[str, dict | None]:
+    """What ``echo`` puts before the completion: the prompt's text and, with logprobs, its tokens'."""
+    if not body.echo:
+        return "", None
+    text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+    if body.logprobs is None:
+        return text, None
+    return text, echo_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs, tokenizer)
+
+
+def _prompt_logprobs(body, out, tokenizer):
+    return prompt_logprobs_json(out.prompt_logprobs, tokenizer) if body.prompt_logprobs is not None else None
 
 
 async def _chat_completions(state: ServerState, request: Request, body: protocol.ChatCompletionRequest):
     _check_model(state, body.model)
     async_llm = state.ready()
+    protocol.check_prompt_logprobs(body)
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
     try:
-        prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt)
+        prompt = async_llm.llm.chat_prompt(
+            body.conversation(), body.add_generation_prompt, tools=body.tools,
+            chat_template=body.chat_template or state.config.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs, continue_final_message=body.continue_final_message)
     except ValueError as err:
-        raise RequestError(str(err), param="messages") from None
+        raise RequestError(str(err), param=protocol.field_of(str(err), {"prompt": "messages"})) from None
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(body, max_tokens_field)
     protocol.check_top_logprobs(body)
     top = body.top_logprobs or 0
     params = protocol.sampling_params(body, max_tokens, max(top, 1) if body.logprobs else None,
                                       async_llm.engine.max_model_len, state.sampling_defaults)
-    call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens,
-                  renames={"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"})
+    params, renames = _with_tool_constraint(params, tools, body)
+    call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens, renames=renames)
     call.model = body.model or call.model
     tokenizer = async_llm.engine.tokenizer
     top = top if body.logprobs else None
     if body.stream:
-        return _event_stream(call, _chat_chunks(call, body.include_usage, top, tokenizer))
+        return _event_stream(call, _chat_chunks(call, body.include_usage, top, tokenizer, tools))
     finals = await _final_outputs(call, request)
-    choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
-                "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason,
-                "logprobs": chat_logprobs(out.outputs[0].logprobs, top, tokenizer)}
-               for i, out in enumerate(finals)]
+    choices = []
+    for i, out in enumerate(finals):
+        message, finish_reason = reply(tools, out.outputs[0].text, out.outputs[0].finish_reason)
+        choices.append({"index": i, "message": message, "finish_reason": finish_reason,
+                        "stop_reason": out.outputs[0].stop_reason,
+                        "logprobs": chat_logprobs(out.outputs[0].logprobs, top, tokenizer),
+                        "prompt_logprobs": _prompt_logprobs(body, out, tokenizer)})
     return {"id": call.request_id, "object": "chat.completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": _usage(call, finals)}
+
+
+# the parsers whose call markers are special tokens: their text is decoded with special tokens kept
+_PARSERS_READING_SPECIAL_TOKENS = ("llama3_json", "mistral")
+
+
+def _with_tool_constraint(params, tools: ToolPlan | None, body) -> tuple:
+    """The request's SamplingParams with what its tool choice needs, and the renames that make an
+    engine error name the request's own field."""
+    renames = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
+    if body.response_format is not None:
+        renames["structured_outputs"] = "response_format"
+    if tools is None:
+        return params, renames
+    constraint = tools.constraint
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise RequestError(f"tool_choice: {body.tool_choice!r} is served by structured output, so it cannot be "
+                               "combined with response_format or structured_outputs", param="tool_choice")
+        params = dataclasses.replace(params, structured_outputs=constraint)
+        renames["structured_outputs"] = "tools"
+    if tools.parser is not None and tools.parser.name in _PARSERS_READING_SPECIAL_TOKENS:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params, renames
 
 
 async def _final_outputs(call: _Call, request: Request) -> list:
@@ -496,26 +570,30 @@ def _event_stream(call: _Call, chunks) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _completion_chunks(call: _Call, include_usage: bool, logprobs: int | None, tokenizer):
+async def _completion_chunks(call: _Call, body: protocol.CompletionRequest, tokenizer):
     finals: list = [None] * len(call.streams)
     seen = [0] * len(call.streams)
+    logprobs = body.logprobs
     async for index, output in _merged(call):
+        echo_text, echo_logprobs = _echo(body, output, tokenizer) if finals[index] is None else ("", None)
         finals[index] = output
         completion = output.outputs[0]
         new = (completion.logprobs or [])[seen[index]:]
         new_ids = completion.token_ids[seen[index]:]
         seen[index] = len(completion.token_ids)
         yield _chunk(call, "text_completion", [{
-            "index": index, "text": output.delta_text, "finish_reason": completion.finish_reason,
+            "index": index, "text": echo_text + output.delta_text, "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
-            "logprobs": completion_logprobs(new, logprobs, tokenizer, new_ids) if logprobs is not None else None}])
-    if include_usage:
+            "logprobs": joined(echo_logprobs, completion_logprobs(new, logprobs, tokenizer, new_ids))
+            if logprobs is not None else None}])
+    if body.include_usage:
         yield {**_chunk(call, "text_completion", []), "usage": _usage(call, finals)}
 
 
-async def _chat_chunks(call: _Call, include_usage: bool, top: int | None, tokenizer):
+async def _chat_chunks(call: _Call, include_usage: bool, top: int | None, tokenizer, tools: ToolPlan | None):
     finals: list = [None] * len(call.streams)
     seen = [0] * len(call.streams)
+    deltas = [ToolDeltas(tools) for _ in call.streams]
     async for index, output in _merged(call):
         if finals[index] is None:  # the role goes with the first token, as vLLM's: a client's TTFT is honest
             yield _chunk(call, "chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -525,9 +603,13 @@ async def _chat_chunks(call: _Call, include_usage: bool, top: int | None, tokeni
         new = (completion.logprobs or [])[seen[index]:]
         new_ids = completion.token_ids[seen[index]:]
         seen[index] = len(completion.token_ids)
-        yield _chunk(call, "chat.completion.chunk", [{
-            "index": index, "delta": {"content": output.delta_text} if output.delta_text else {},
-            "logprobs": chat_logprobs(new, top, tokenizer, new_ids), "finish_reason": completion.finish_reason}])
+        pieces = deltas[index].feed(output.delta_text, output.finished) or [{}]
+        for number, delta in enumerate(pieces):
+            last = number == len(pieces) - 1
+            yield _chunk(call, "chat.completion.chunk", [{
+                "index": index, "delta": delta,
+                "logprobs": chat_logprobs(new, top, tokenizer, new_ids) if number == 0 else None,
+                "finish_reason": deltas[index].finish_reason(completion.finish_reason) if last else None}])
     if include_usage:
         yield {**_chunk(call, "chat.completion.chunk", []), "usage": _usage(call, finals)}
 

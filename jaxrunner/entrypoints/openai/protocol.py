@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxrunner.sampling_params import SamplingParams
+from jaxrunner.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class RequestError(Exception):
@@ -66,6 +66,11 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs (StructuredOutputsParams)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None         # per prompt token, as vLLM returns them
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
 
     @property
     def include_usage(self) -> bool:
@@ -76,6 +81,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
 
 
 class ChatMessage(BaseModel):
@@ -111,6 +117,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
 
     def conversation(self) -> list[dict]:
         """The messages for the chat template; an assistant turn that only calls tools has no text."""
@@ -128,30 +140,21 @@ _MESSAGE_EXTRAS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 # Fields OpenAI's or vLLM's API defines that this server does not apply: refused when a request uses
 # them (the predicate says whether the value asks for something), never silently ignored.
 UNBUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v not in (None, {"type": "text"}), "structured output is not supported yet"),
-    "structured_outputs": (lambda v: v is not None, "structured output is not supported yet"),
-    "guided_json": (lambda v: v is not None, "structured output is not supported yet"),
-    "guided_regex": (lambda v: v is not None, "structured output is not supported yet"),
-    "guided_choice": (lambda v: v is not None, "structured output is not supported yet"),
-    "guided_grammar": (lambda v: v is not None, "structured output is not supported yet"),
-    "tools": (lambda v: bool(v), "tool calling is not supported yet"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tool calling is not supported yet"),
-    "functions": (lambda v: bool(v), "function calling is not supported yet"),
-    "function_call": (lambda v: v not in (None, "none"), "function calling is not supported yet"),
+    "guided_json": (lambda v: v is not None, "use structured_outputs: {\"json\": ...} (vLLM's current name)"),
+    "guided_regex": (lambda v: v is not None, "use structured_outputs: {\"regex\": ...} (vLLM's current name)"),
+    "guided_choice": (lambda v: v is not None, "use structured_outputs: {\"choice\": ...} (vLLM's current name)"),
+    "guided_grammar": (lambda v: v is not None, "use structured_outputs: {\"grammar\": ...} (vLLM's current name)"),
+    "guided_decoding_backend": (lambda v: v is not None, "the structured-output backend is llguidance, not selectable"),
+    "functions": (lambda v: bool(v), "the legacy `functions` field is not supported; use tools"),
+    "function_call": (lambda v: v not in (None, "none"), "the legacy `function_call` field is not supported; use tool_choice"),
     "best_of": (lambda v: v not in (None, 1), "best_of is not supported (vLLM dropped it too); use n"),
     "use_beam_search": (lambda v: bool(v), "beam search is not supported"),
     "length_penalty": (lambda v: v not in (None, 1, 1.0), "length_penalty applies to beam search, not supported"),
-    "echo": (lambda v: bool(v), "echo is not supported yet"),
+    "echo": (lambda v: bool(v), "echo (prepending the last message) is not supported on chat completions"),
     "suffix": (lambda v: bool(v), "suffix (insertion) is not supported"),
-    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs is not supported over HTTP yet (LLM.generate has it)"),
-    "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported yet"),
-    "chat_template": (lambda v: v is not None, "a per-request chat template is not supported yet"),
-    "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs is not supported yet"),
-    "continue_final_message": (lambda v: bool(v), "continue_final_message is not supported yet"),
     "audio": (lambda v: v is not None, "audio output is not supported"),
     "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
     "prediction": (lambda v: v is not None, "predicted outputs are not supported"),
-    "guided_decoding_backend": (lambda v: v is not None, "structured output is not supported yet"),
 }
 _logger = logging.getLogger("jaxrunner.server")
 _ignored_logged: set[str] = set()
@@ -160,7 +163,7 @@ _ignored_logged: set[str] = set()
 def _refuse_unbuilt(model: type[BaseModel], body: dict) -> None:
     """A 400 naming the first field we do not apply; a log line for a field neither API defines."""
     for name, value in body.items():
-        if name in UNBUILT:
+        if name in UNBUILT and name not in model.model_fields:
             asks, why = UNBUILT[name]
             if asks(value):
                 raise RequestError(f"{name}: {why}", param=name)
@@ -179,6 +182,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def conversation(self) -> list[dict]:
         return ChatCompletionRequest(messages=self.messages).conversation()
@@ -237,15 +243,54 @@ def sampling_params(request: _Sampling, max_tokens: int | None, logprobs: int | 
         min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
         ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
         allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
-        include_stop_str_in_output=request.include_stop_str_in_output)
+        include_stop_str_in_output=request.include_stop_str_in_output, prompt_logprobs=request.prompt_logprobs,
+        truncate_prompt_tokens=request.truncate_prompt_tokens)
     if request.logit_bias:
         options["logit_bias"] = _logit_bias(request.logit_bias)
+    options["structured_outputs"] = structured_outputs(request)
     if request.n < 1:
         raise RequestError(f"n: {request.n} must be at least 1", param="n")
     try:
         return SamplingParams(**options)
     except ValueError as err:
         raise RequestError(str(err), param=field_of(str(err))) from None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def structured_outputs(request: _Sampling) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the engine's constraint; a
+    400 names the field. The grammar itself is compiled when the request is validated."""
+    if request.response_format is not None and request.structured_outputs is not None:
+        raise RequestError("response_format: give response_format or structured_outputs, not both",
+                           param="response_format")
+    if request.structured_outputs is not None:
+        try:
+            return StructuredOutputsParams.from_dict(request.structured_outputs)
+        except (ValueError, TypeError) as err:
+            raise RequestError(str(err), param="structured_outputs") from None
+    return _response_format(request.response_format)
+
+
+def _response_format(value: dict | None) -> StructuredOutputsParams | None:
+    kind = None if value is None else value.get("type")
+    if kind in (None, "text"):
+        if value is not None and kind is None:
+            raise RequestError(f"response_format.type: missing; one of {', '.join(RESPONSE_FORMATS)}",
+                               param="response_format")
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise RequestError(f"response_format.type: {kind!r} is not one of {', '.join(RESPONSE_FORMATS)}",
+                           param="response_format")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestError("response_format.json_schema.schema: a JSON schema object is required",
+                           param="response_format")
+    return StructuredOutputsParams(json=schema)
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -278,6 +323,12 @@ def check_top_logprobs(request: "ChatCompletionRequest") -> None:
         raise RequestError(f"top_logprobs: must be at least 0, got {top}", param="top_logprobs")
     if not request.logprobs:
         raise RequestError("top_logprobs: needs logprobs set to true", param="top_logprobs")
+
+
+def check_prompt_logprobs(request: _Sampling) -> None:
+    """As vLLM: prompt logprobs come with a whole response, not a stream."""
+    if request.prompt_logprobs is not None and request.stream:
+        raise RequestError("prompt_logprobs: not available when stream is true", param="prompt_logprobs")
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
