@@ -3,6 +3,7 @@ target distribution under rejection sampling, rollback of rejected KV, no compil
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -253,3 +254,26 @@ def test_steps_overlap_while_every_request_backs_off(spec, plain, workload):
         vars(engine.executor.runner).pop("dispatch"), vars(engine.executor.runner).pop("fetch")
     assert any(calls[i:i + 2] == ["dispatch", "dispatch"] for i in range(len(calls)))
     assert token_ids(got) == token_ids(plain.generate([prompt], GREEDY, use_tqdm=False))
+
+
+def test_structured_output_with_speculation_is_token_identical_and_checks_each_proposal(plain, spec):
+    """Constrained requests speculate: each proposal is verified under the grammar's mask at its
+    place, so greedy outputs equal those without speculation and every output keeps the constraint."""
+    from jaxrunner.sampling_params import StructuredOutputsParams
+
+    phrase = "the cat sat the cat sat"
+    prompts = [f"{phrase} {phrase}", "the cat", "on the mat"]
+    constraints = [StructuredOutputsParams(regex="(the cat sat ){1,3}end"),
+                   StructuredOutputsParams(choice=[phrase, "a dog"]),
+                   StructuredOutputsParams(json={"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
+                                                 "required": ["n"]}, disable_any_whitespace=True)]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c) for c in constraints]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    before = spec.engine.num_draft_tokens
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outputs) == token_ids(expected)
+    assert spec.engine.num_draft_tokens > before
+    assert re.fullmatch("(the cat sat ){1,3}end", outputs[0].outputs[0].text), outputs[0].outputs[0]
+    assert outputs[1].outputs[0].text in (phrase, "a dog") and outputs[2].outputs[0].text in ('{"n":1}', '{"n":2}',
+                                                                                            '{"n":3}')
+    assert_no_pages_held(spec)

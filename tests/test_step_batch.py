@@ -49,12 +49,12 @@ def test_step_batch_is_a_registered_pytree():
     batch = _served(SPECULATIVE)
     leaves, tree = jax.tree.flatten(batch)
     assert all(isinstance(x, np.ndarray) for x in leaves)
-    assert len(leaves) == 5 + 5 + 18 + 4  # own arrays, attention, sampling (draft_tokens None), draft rows
+    assert len(leaves) == 5 + 5 + 18 + 5  # own arrays, attention, sampling (draft_tokens None), draft rows
     rebuilt = jax.tree.unflatten(tree, leaves)
     assert isinstance(rebuilt, StepBatch) and isinstance(rebuilt.attention, AttentionMetadata)
     assert isinstance(rebuilt.sampling, SamplingMetadata) and isinstance(rebuilt.draft_rows, DraftRows)
     plain = _served(PLAIN)
-    assert plain.draft_rows is None and len(jax.tree.leaves(plain)) == len(leaves) - 4  # None: an empty subtree
+    assert plain.draft_rows is None and len(jax.tree.leaves(plain)) == len(leaves) - 5  # None: an empty subtree
     assert jax.tree.structure(plain) != tree
     with pytest.raises(dataclasses.FrozenInstanceError):
         batch.token_ids = None

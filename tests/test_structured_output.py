@@ -130,3 +130,21 @@ def test_constrained_and_free_requests_share_steps_with_no_compile_and_no_page_l
         jsonschema.validate(json.loads(output.outputs[0].text), schema)
     assert all(len(o.outputs[0].token_ids) > 0 for o in outputs[4:])
     assert llm.engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_proposal_masks_follow_the_grammar_and_leave_the_matcher_in_place(llm):
+    """Speculative proposals: one mask per place; past a token the grammar refuses, the last repeats."""
+    grammars, tokenizer = llm.engine.grammars, llm.get_tokenizer()
+    matcher = grammars.matcher(grammars.grammar(StructuredOutputsParams(choice=["yes please", "no"])))
+    ids = tokenizer.encode("yes please", add_special_tokens=False)
+    start = grammars.fill_bitmask(matcher)
+
+    def allows(mask, token):
+        return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+    masks = grammars.fill_bitmasks_along(matcher, ids)
+    assert len(masks) == len(ids) + 1 and all(allows(masks[j], t) for j, t in enumerate(ids))
+    assert not allows(masks[-1], ids[0]) and allows(masks[-1], tokenizer.eos_token_id)
+    refused = grammars.fill_bitmasks_along(matcher, [ids[0], ids[0], ids[0]])
+    assert not allows(refused[1], ids[0]) and (refused[2] == refused[1]).all() and (refused[3] == refused[1]).all()
+    assert (grammars.fill_bitmask(matcher) == start).all()  # rolled back

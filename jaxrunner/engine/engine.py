@@ -32,6 +32,8 @@ import numbers
 import threading
 from typing import Sequence
 
+import numpy as np
+
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.executor import Executor, StepHandle
 from jaxrunner.engine.output_processor import OutputProcessor
@@ -350,11 +352,19 @@ class LLMEngine:
 
     def _fill_bitmasks(self, plan) -> None:
         """The allowed next tokens of each constrained request this step samples for (its matcher
-        has seen every past token: such requests keep steps synchronous)."""
+        has seen every past token: such requests keep steps synchronous), and, under proposals, the
+        tokens allowed in each proposal's place."""
         for chunk in plan.chunks:
             request = chunk.request
-            if request.grammar is not None:
-                request.next_token_bitmask = self.grammars.fill_bitmask(request.grammar) if chunk.sample else None
+            if request.grammar is None:
+                continue
+            if not chunk.sample:
+                request.next_token_bitmask = request.draft_token_bitmasks = None
+            elif not chunk.draft_token_ids:
+                request.next_token_bitmask, request.draft_token_bitmasks = self.grammars.fill_bitmask(request.grammar), None
+            else:
+                *drafts, last = self.grammars.fill_bitmasks_along(request.grammar, chunk.draft_token_ids)
+                request.draft_token_bitmasks, request.next_token_bitmask = np.stack(drafts), last
 
     def _async_enabled(self) -> bool:
         return self.config.async_scheduling and not self.executor.synchronous

@@ -68,6 +68,7 @@ class Request:
     # token, and the bitmask of the tokens it allows next (filled for each step that samples).
     grammar: Any = None
     next_token_bitmask: Any = None
+    draft_token_bitmasks: Any = None  # with proposals: one row per proposal, the tokens allowed in its place
     # Tokens sampled by a step still on the device: counted in num_tokens, not yet in
     # output_token_ids (the next step reads them on the device). At most one under async scheduling.
     num_pending_outputs: int = 0
@@ -102,16 +103,20 @@ class Request:
         The rule that follows, stated here only: while such a request is queued, steps run
         synchronously (async scheduling waits for the step in flight, so no token of it is still
         on the device when the next step is packed)."""
-        return (self.sampling_params.uses_penalties or self.grammar is not None
-                or any(len(word) > 1 for word in self.bad_words_token_ids))
+        return self.grammar is not None or self._samples_from_outputs
+
+    @property
+    def _samples_from_outputs(self) -> bool:
+        """Penalties and bad words of several tokens: sampling counts the outputs on the host."""
+        return self.sampling_params.uses_penalties or any(len(word) > 1 for word in self.bad_words_token_ids)
 
     @property
     def may_speculate(self) -> bool:
         """Whether proposals may be verified for this request: not when its sampling depends on
-        outputs counted on the host (penalties, bad words, structured output, ``min_tokens`` bans) or it wants prompt
-        logprobs."""
+        outputs counted on the host (penalties, bad words, ``min_tokens`` bans) or it wants prompt
+        logprobs. Structured output may: each proposal is checked under the grammar's mask at its place."""
         sp = self.sampling_params
-        return not self.needs_host_history and sp.prompt_logprobs is None and self.num_expected_outputs >= sp.min_tokens
+        return not self._samples_from_outputs and sp.prompt_logprobs is None and self.num_expected_outputs >= sp.min_tokens
 
     @property
     def wants_proposal(self) -> bool:

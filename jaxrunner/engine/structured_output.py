@@ -10,8 +10,9 @@ The output processor feeds each sampled token back to the matcher, and a request
 can go no further stops there.
 
 The matcher follows the host's tokens, so a constrained request's next mask needs its last token
-on the host: while one is queued, steps run synchronously (``Request.needs_host_history``), and it
-makes no speculative proposals.
+on the host: while one is queued, steps run synchronously (``Request.needs_host_history``). With
+speculative decoding each proposal's verifying row gets the mask at its own place (the matcher
+walks the proposal and rolls back), so a proposal the grammar refuses is rejected there.
 
 Grammars as vLLM's llguidance backend builds them: JSON schemas and ``json_object`` with flexible
 whitespace unless ``disable_any_whitespace``; ``choice`` as an alternation of literals; ``grammar``
@@ -71,6 +72,19 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher at the start of ``grammar`` (one per request)."""
         return llguidance.LLMatcher(self.ll_tokenizer, grammar)
+
+    def fill_bitmasks_along(self, matcher: llguidance.LLMatcher, proposal) -> list[np.ndarray]:
+        """The masks after 0, 1, ... len(proposal) of the proposed tokens (len + 1 rows), the matcher
+        left where it was. Past the first token the grammar refuses, the rows repeat the last mask:
+        verification stops at that token (its mask excludes it), so they are never used."""
+        valid = matcher.validate_tokens(list(proposal))
+        masks = [self.fill_bitmask(matcher)]
+        for token in proposal[:valid]:
+            matcher.consume_token(token)
+            masks.append(self.fill_bitmask(matcher))
+        if valid:
+            matcher.rollback(valid)
+        return masks + [masks[-1]] * (len(proposal) - valid)
 
     def fill_bitmask(self, matcher: llguidance.LLMatcher) -> np.ndarray:
         """The tokens ``matcher`` allows next, as one bitmask row over the model's vocabulary."""

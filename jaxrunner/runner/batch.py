@@ -41,7 +41,8 @@ def _sequence_rows(chunk, eos_token_ids, feed_rows) -> SequenceRows:
     return SequenceRows(token_ids=token_ids, feed_rows=fed, kv_len=chunk.end,
                         pages=np.asarray(request.page_ids, np.int32), prompt_targets=_prompt_targets(chunk),
                         sampling=SamplingRow.from_request(request, eos_token_ids) if chunk.sample else None,
-                        num_drafts=len(chunk.draft_token_ids))
+                        num_drafts=len(chunk.draft_token_ids),
+                        draft_bitmasks=request.draft_token_bitmasks if chunk.draft_token_ids else None)
 
 
 def _tokens(chunk, feed_rows) -> tuple[np.ndarray, np.ndarray]:

@@ -266,11 +266,12 @@ def _top_logprobs(raw, log_normalizer):
 
 def with_draft_rows(sampling: SamplingMetadata, draft_rows: DraftRows) -> SamplingMetadata:
     """The sampling settings of the sequences' rows followed by the draft rows: each draft row
-    takes its sequence's settings, its own position and the proposal it verifies."""
+    takes its sequence's settings, its own position, token bitmask and the proposal it verifies."""
     seqs = draft_rows.seqs
     rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.take(x, seqs, axis=0)]), sampling)
     no_draft = jnp.full(sampling.positions.shape, NO_TOKEN, jnp.int32)
     return dataclasses.replace(rows, positions=jnp.concatenate([sampling.positions, draft_rows.positions]),
+                               token_bitmask=jnp.concatenate([sampling.token_bitmask, draft_rows.token_bitmask]),
                                draft_tokens=jnp.concatenate([no_draft, draft_rows.tokens]))
 
 

@@ -112,7 +112,7 @@ class SamplingMetadata:
         )
 
 
-@_pytree("logits_indices", "seqs", "positions", "tokens")
+@_pytree("logits_indices", "seqs", "positions", "tokens", "token_bitmask")
 @dataclasses.dataclass(frozen=True)
 class DraftRows:
     """Speculative verification: extra sampled rows, after the sequences' own, in chunk order. The
@@ -122,11 +122,15 @@ class DraftRows:
     seqs: np.ndarray            # [R] int32: the sequence whose sampling settings it takes
     positions: np.ndarray       # [R] int32: the position it samples
     tokens: np.ndarray          # [R] int32: the proposal it checks; NO_TOKEN in unused rows
+    # [R, ceil(V / 32)] int32: the tokens allowed at its position (structured output after the
+    # proposals before it), FREE_ROW words for none: its own, since each row's grammar state differs
+    token_bitmask: np.ndarray
 
     @classmethod
-    def empty(cls, rows: int) -> DraftRows:
+    def empty(cls, rows: int, vocab_size: int) -> DraftRows:
         return cls(logits_indices=np.zeros(rows, np.int32), seqs=np.zeros(rows, np.int32),
-                   positions=np.zeros(rows, np.int32), tokens=np.full(rows, NO_TOKEN, np.int32))
+                   positions=np.zeros(rows, np.int32), tokens=np.full(rows, NO_TOKEN, np.int32),
+                   token_bitmask=np.full((rows, bitmask_words(vocab_size)), FREE_ROW, np.int32))
 
 
 @_pytree("token_ids", "feed_rows", "positions", "logits_indices", "prompt_targets", "attention", "sampling",
@@ -156,7 +160,7 @@ class StepBatch:
                    positions=np.zeros(t, np.int32), logits_indices=np.zeros(s, np.int32),
                    prompt_targets=np.full(t, NO_TOKEN, np.int32), attention=attention,
                    sampling=SamplingMetadata.empty(s, w * page_size, vocab_size),
-                   draft_rows=DraftRows.empty(bucket.num_draft_rows) if bucket.num_draft_rows else None)
+                   draft_rows=DraftRows.empty(bucket.num_draft_rows, vocab_size) if bucket.num_draft_rows else None)
 
     @property
     def num_seqs(self) -> int:
@@ -286,6 +290,7 @@ class SequenceRows:
     prompt_targets: np.ndarray | None = None  # [q] int32: next prompt token per row (prompt logprobs), NO_TOKEN
     sampling: SamplingRow | None = None       # settings of the token it samples; None: no row sampled
     num_drafts: int = 0    # its last num_drafts tokens are proposals, each checked by a draft row
+    draft_bitmasks: np.ndarray | None = None  # [num_drafts, words]: each draft row's allowed tokens (None: all)
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -352,4 +357,6 @@ def _lay_out_drafts(batch: StepBatch, slot: int, seq: SequenceRows, end: int, dr
     spec.seqs[rows] = slot
     spec.positions[rows] = np.arange(first_sampled, seq.kv_len)
     spec.tokens[rows] = seq.token_ids[-k:]
+    if seq.draft_bitmasks is not None:
+        spec.token_bitmask[rows] = seq.draft_bitmasks
     return draft_row + k
