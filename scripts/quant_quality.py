@@ -58,6 +58,7 @@ def format_params(name: str, model):
     import jax.numpy as jnp
 
     from jaxrunner.models import quant
+    from jaxrunner.models.loading import quantize
 
     if name == "float32":
         return model.params
@@ -68,7 +69,7 @@ def format_params(name: str, model):
     if name == "int4-gguf":
         if model.source.kind != "gguf":
             raise SystemExit("int4-gguf: the model is not a GGUF file")
-        replace = quant._gguf_leaves(model.source.path, model.config, "int4")
+        replace = quantize._gguf_leaves(model.source.path, model.config, "int4")
         return quant.quantize_params(model.params, "int4", 32, replace)
     raise SystemExit(f"--formats: unknown format {name!r} (valid: {', '.join(FORMATS)})")
 

@@ -257,12 +257,12 @@ def test_params_placed_layer_by_layer_equal_params_placed_at_once(files):
     does) equal params built from the whole float32 host tree."""
     import jax
 
-    from jaxrunner.models.config import ModelConfig
+    from jaxrunner.models.registry import config_from_hf
     from jaxrunner.models.params import cast_params, host_params_from_state_dict, params_from_state_dict
 
     path, _ = files("qwen2", Q.Q8_0)
     ck = open_gguf(path)
-    cfg = ModelConfig.from_hf_dict(ck.hf_config)
+    cfg = config_from_hf(ck.hf_config)
     streamed = params_from_state_dict(ck.state_dict, cfg, "bfloat16")
     at_once = cast_params(host_params_from_state_dict(load_gguf(path, progress=False).state_dict, cfg), "bfloat16")
     assert jax.tree.structure(streamed) == jax.tree.structure(at_once)

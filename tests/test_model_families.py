@@ -24,7 +24,8 @@ from engine_helpers import COMPILE_CACHE, count_compilations, make_llm, token_id
 from jaxrunner import SamplingParams
 from jaxrunner.models import registry
 from jaxrunner.models.attention import AttentionMetadata, DenseAttention
-from jaxrunner.models.config import ModelConfig, UnsupportedModelError
+from jaxrunner.models.config import UnsupportedModelError
+from jaxrunner.models.registry import config_from_hf
 from jaxrunner.models.loading import load_model
 
 torch = pytest.importorskip("torch")
@@ -251,7 +252,7 @@ def test_qwen3_gguf_loads_to_transformers_logits(checkpoints, tmp_path):
 
     gguf_file = _write_qwen3_gguf(checkpoints["qwen3"], tmp_path / "qwen3.gguf")
     checkpoint = open_gguf(gguf_file)
-    cfg = ModelConfig.from_hf_dict(checkpoint.hf_config)
+    cfg = config_from_hf(checkpoint.hf_config)
     params = params_from_state_dict(checkpoint.state_dict, cfg)
     ids = np.random.default_rng(3).integers(0, 512, 24)
     arch = registry.architecture_for(cfg)
@@ -272,13 +273,13 @@ def test_gemma3_layer_pattern_five_to_one():
     d = _hf_dict("gemma3", num_hidden_layers=12)
     d.pop("layer_types")
     d["sliding_window_pattern"] = 6
-    cfg = ModelConfig.from_hf_dict(d)
+    cfg = config_from_hf(d)
     assert [cfg.layer_sliding_window(i) for i in range(12)] == ([WINDOW] * 5 + [None]) * 2
     assert cfg.local_rope_theta == 1e4 and cfg.rope_theta == 1e6 and dict(cfg.rope_scaling)["factor"] == 2.0
 
 
 def test_gemma2_alternates_and_reads_its_caps():
-    cfg = ModelConfig.from_hf_dict(_hf_dict("gemma2", num_hidden_layers=4, layer_types=None))
+    cfg = config_from_hf(_hf_dict("gemma2", num_hidden_layers=4, layer_types=None))
     assert [cfg.layer_sliding_window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
     assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.query_pre_attn_scalar) == (1.0, 6.0, 24.0)
 
@@ -286,18 +287,18 @@ def test_gemma2_alternates_and_reads_its_caps():
 def test_phi3_long_rope_serves_up_to_its_original_length(checkpoints):
     """Long-RoPE's short factors hold up to original_max_position_embeddings; past it transformers
     switches frequencies with the sequence length, so the engine refuses a longer max_model_len."""
-    cfg = ModelConfig.from_hf_dict(_hf_dict("phi3-longrope"))
+    cfg = config_from_hf(_hf_dict("phi3-longrope"))
     assert cfg.max_position_embeddings == 128 and cfg.rope_short_factor == (1.0, 1.7, 3.1, 5.3)
     assert cfg.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(128)) ** 0.5)
     with pytest.raises(ValueError, match=r"max_model_len: 256 exceeds the model's max_position_embeddings \(128\)"):
         make_llm(checkpoints["phi3-longrope"], **{**FAMILY_ENGINE, "max_model_len": 256})
     with pytest.raises(UnsupportedModelError, match="rope_scaling type 'yarn' is not supported for phi3"):
-        ModelConfig.from_hf_dict(_hf_dict("phi3", rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+        config_from_hf(_hf_dict("phi3", rope_parameters={"rope_type": "yarn", "factor": 2.0}))
 
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match="supported architectures: .*Gemma2ForCausalLM.*Qwen3ForCausalLM"):
-        ModelConfig.from_hf_dict({"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
+        config_from_hf({"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
 
 
 @pytest.mark.parametrize("family", ("llama",) + FAMILIES)
@@ -308,7 +309,7 @@ def test_partition_rules_cover_every_leaf_and_refuse_unknown_ones(family):
     hf = _hf_dict(family) if family != "llama" else transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2).to_dict()
-    cfg = ModelConfig.from_hf_dict(hf)
+    cfg = config_from_hf(hf)
     rules = sharding.partition_rules(cfg, 2)
     shapes = registry.family_for_config(cfg).param_shapes(cfg)
     tree = jax.tree.map(np.zeros, shapes, is_leaf=lambda node: isinstance(node, tuple))

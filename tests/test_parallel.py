@@ -71,12 +71,12 @@ def test_replicated_kv_heads_leave_the_model_unchanged(gqa_8_2_checkpoint):
     """TP 4 on 2 KV heads copies each KV head into 2 groups; the dense forward must not change."""
     from jaxrunner.models import llama
     from jaxrunner.models.attention import DenseAttention
-    from jaxrunner.models.config import ModelConfig
+    from jaxrunner.models.registry import config_from_hf
     from jaxrunner.models.loading.hf import load_hf_state_dict, read_hf_config
     from jaxrunner.models.params import cast_params, host_params_from_state_dict
     from jaxrunner.parallel.sharding import replicate_kv_heads
 
-    cfg = ModelConfig.from_hf_dict(read_hf_config(gqa_8_2_checkpoint))
+    cfg = config_from_hf(read_hf_config(gqa_8_2_checkpoint))
     host = host_params_from_state_dict(load_hf_state_dict(gqa_8_2_checkpoint, progress=False), cfg)
     wide_host, wide_cfg = replicate_kv_heads(host, cfg, 4)
     assert wide_cfg.num_kv_heads == 4 and wide_host["layers"][0]["wqkv"].shape[1] == 4 * (2 + 2) * 8

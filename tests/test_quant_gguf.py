@@ -57,8 +57,8 @@ def test_engine_serves_the_files_own_blocks(tmp_path, qtype):
     path = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", "llama", hf_weights("llama", tied=False), qtype)
     llm = LLM(path, quantization="int4", **TINY_ENGINE)
     checkpoint = open_gguf(path)
-    from jaxrunner.models.config import ModelConfig
-    floats = host_params_from_state_dict(checkpoint.state_dict, ModelConfig.from_hf_dict(checkpoint.hf_config))
+    from jaxrunner.models.registry import config_from_hf
+    floats = host_params_from_state_dict(checkpoint.state_dict, config_from_hf(checkpoint.hf_config))
     for i, layer in enumerate(llm.engine.model.params["layers"]):
         for name in quant.QUANTIZED_WEIGHTS:
             leaf = {key: np.asarray(part) for key, part in layer[name].items()}

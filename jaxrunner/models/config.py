@@ -6,7 +6,6 @@ Each family (``models.registry``) maps the HF dict itself, usually to a subclass
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 
@@ -50,18 +49,6 @@ class ModelConfig:
     def layer_sliding_window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: global). One window for all layers by default."""
         return self.sliding_window
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """The config of the registered family the dict names (``models.registry``)."""
-        from jaxrunner.models import registry
-
-        return registry.config_from_hf(cfg, source)
-
-    @classmethod
-    def from_json_file(cls, path: str) -> "ModelConfig":
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), source=path)
 
 
 def common_fields(cfg: dict[str, Any], source: str, default_eps: float = 1e-6) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import jax
 from jaxrunner.config import EngineConfig
 from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.models.loading import LoadedModel, load_model
-from jaxrunner.models.quant import quantize_model
+from jaxrunner.models.loading.quantize import quantize_model
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
 from jaxrunner.runner.executor import Executor
 from jaxrunner.runner.preflight import check_draft_vocabulary

@@ -28,17 +28,15 @@ uniform of the row's key (``ACCEPT_STREAM``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # step_batch imports this module's constants
-    from jaxrunner.runner.step_batch import DraftRows, SamplingMetadata
+from jaxrunner.runner.step_batch import MAX_LOGPROBS, NO_LOGPROBS, NO_TOKEN, DraftRows, SamplingMetadata
 
-MAX_LOGPROBS = 20  # like vLLM's default max_logprobs: top-k logprobs returned per token, k <= this
-NO_TOKEN = -1      # padding in token-id arrays (history, banned tokens)
-NO_LOGPROBS = -1   # num_logprobs of a row that asks for none (0 asks for the sampled token's only)
+__all__ = ["sample", "prompt_logprobs", "empty_prompt_logprobs", "with_draft_rows", "verify_draws", "first_argmax",
+           "MAX_LOGPROBS", "NO_LOGPROBS", "NO_TOKEN"]
+
 ACCEPT_STREAM = 1  # folded into a row's key for the uniform of the speculative acceptance test
 
 

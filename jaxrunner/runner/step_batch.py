@@ -36,11 +36,14 @@ from jaxrunner.engine.executor import FREE_ROW, bitmask_words
 from jaxrunner.kernels import SCRATCH_PAGE
 from jaxrunner.models.attention import AttentionMetadata
 from jaxrunner.runner.buckets import Bucket
-from jaxrunner.runner.sampler import MAX_LOGPROBS, NO_LOGPROBS, NO_TOKEN
 
 __all__ = ["AttentionMetadata", "SamplingMetadata", "DraftRows", "StepBatch", "SamplingRow", "SequenceRows",
            "lay_out", "banned_tokens", "random_sampling_rows", "SCRATCH_PAGE", "NO_FEED", "MAX_BANNED_TOKENS",
-           "MAX_LOGIT_BIAS", "MAX_ALLOWED_TOKEN_IDS"]
+           "MAX_LOGIT_BIAS", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGPROBS", "NO_TOKEN", "NO_LOGPROBS"]
+
+MAX_LOGPROBS = 20  # like vLLM's default max_logprobs: top-k logprobs the sampler returns per token, k <= this
+NO_TOKEN = -1      # padding in token-id arrays (history, banned tokens)
+NO_LOGPROBS = -1   # num_logprobs of a row that asks for none (0 asks for the sampled token's only)
 
 # Banned per row and step: EOS + stop_token_ids while min_tokens is not reached, and the last
 # token of each bad word whose other tokens end the output.

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.models.registry import config_from_hf
 from jaxrunner.models.loading import LoadedModel
 from jaxrunner.models.loading.resolve import ModelSource
 from jaxrunner.models.params import param_shapes
@@ -85,7 +86,7 @@ def model_from_params(params, config, tokenizer, mesh) -> LoadedModel:
     """A ``LoadedModel`` over an in-memory params pytree, placed on ``mesh``'s shardings."""
     start = time.perf_counter()
     hf_config = hf_config_dict(config)
-    cfg = ModelConfig.from_hf_dict(hf_config, source="config")
+    cfg = config_from_hf(hf_config, source="config")
     tp = meshes.tensor_parallel_size(mesh)
     meshes.check_tensor_parallel(cfg, tp)
     if sharding.kv_replication(cfg, tp) > 1:

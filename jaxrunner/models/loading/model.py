@@ -13,6 +13,7 @@ import time
 from typing import Mapping
 
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.models.registry import config_from_hf
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
 from jaxrunner.models.params import build_params, cast_params, params_count, params_nbytes
 
@@ -74,13 +75,13 @@ def peek_model(model: str) -> ModelPeek:
         return ModelPeek(source, _orbax_config(source), stored if stored in _FLOAT_DTYPES else "float32")
     if source.kind == "gguf":
         checkpoint = _open_gguf(source.path, keep=True)
-        return ModelPeek(source, ModelConfig.from_hf_dict(checkpoint.hf_config, source=source.path),
+        return ModelPeek(source, config_from_hf(checkpoint.hf_config, source=source.path),
                          _gguf_dtype(checkpoint.tensor_types))
     from jaxrunner.models.loading.hf import read_hf_config
 
     hf_config = read_hf_config(source.path)
     stored = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
-    return ModelPeek(source, ModelConfig.from_hf_dict(hf_config, source=source.path),
+    return ModelPeek(source, config_from_hf(hf_config, source=source.path),
                      stored if stored in _FLOAT_DTYPES else "float32")
 
 
@@ -155,7 +156,7 @@ def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
         from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
 
         params, hf_config, tokenizer = load_checkpoint(source.path)
-        ModelConfig.from_hf_dict(hf_config, source=source.path)  # validate before use
+        config_from_hf(hf_config, source=source.path)  # validate before use
         return hf_config, _HostWeights(params=params), tokenizer
     if source.kind == "gguf":
         from jaxrunner.models.loading.gguf import load_gguf_tokenizer
@@ -167,7 +168,7 @@ def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
         from jaxrunner.models.loading.hf import load_hf_tokenizer, open_hf_state_dict, read_hf_config
 
         hf_config = read_hf_config(source.path)
-        ModelConfig.from_hf_dict(hf_config, source=source.path)  # fail on architecture before reading weights
+        config_from_hf(hf_config, source=source.path)  # fail on architecture before reading weights
         state, tokenizer = open_hf_state_dict(source.path), load_hf_tokenizer(source.path)
     return hf_config, _HostWeights(state=state), tokenizer
 
@@ -180,7 +181,7 @@ def _orbax_config(source: ModelSource) -> ModelConfig | None:
 
     read_checkpoint_info(source.path)
     with open(os.path.join(source.path, CONFIG_FILE)) as f:
-        return ModelConfig.from_hf_dict(json.load(f), source=source.path)
+        return config_from_hf(json.load(f), source=source.path)
 
 
 def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: str, progress: bool):
@@ -239,7 +240,7 @@ def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=N
         config, replication = orbax_cfg, 1
     else:
         hf_config, weights, tokenizer = _read_host(source)
-        params, config, replication = _place(weights, ModelConfig.from_hf_dict(hf_config, source=source.path),
+        params, config, replication = _place(weights, config_from_hf(hf_config, source=source.path),
                                              dtype, mesh, source.path, progress)
     generation_config = read_generation_config(source)
     config = _with_generation_eos(config, generation_config)
