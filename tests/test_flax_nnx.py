@@ -7,9 +7,9 @@ from flax import nnx
 
 from engine_helpers import TINY_ENGINE, count_compilations, make_llm, random_prompts, token_ids
 from jaxrunner import LLM, SamplingParams
-from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading.hf import open_hf_state_dict, read_hf_config
 from jaxrunner.models.nnx_llama import NnxLlama
+from jaxrunner.models.registry import config_from_hf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -21,7 +21,7 @@ def model_dir(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def nnx_model(model_dir):
-    config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    config = config_from_hf(read_hf_config(model_dir))
     return NnxLlama.from_state_dict(open_hf_state_dict(model_dir), config)
 
 
