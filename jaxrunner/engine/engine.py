@@ -50,11 +50,13 @@ logger = logging.getLogger("jaxrunner")
 
 @dataclasses.dataclass(frozen=True)
 class ValidRequest:
-    """A request that passed ``LLMEngine.validate_request``: its text, its tokens and its params."""
+    """A request that passed ``LLMEngine.validate_request``: its text, its tokens, its params and
+    their structured-output grammar, compiled once (None: unconstrained)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    grammar: str | None = None
 
 
 def _token_id_list(token_ids) -> list[int]:
@@ -196,7 +198,8 @@ class LLMEngine:
         self._check_vocabulary("prompt_token_ids", token_ids)
         # the scheduler's own test of a request that could never run (empty, too long, too big)
         self.scheduler.check_fits(len(token_ids), self._output_cap(params, len(token_ids)))
-        return ValidRequest(text, token_ids, params)
+        constraint = params.structured_outputs
+        return ValidRequest(text, token_ids, params, None if constraint is None else self.grammars.grammar(constraint))
 
     def _truncated(self, text: str | None, token_ids: list[int], keep: int) -> tuple[str | None, list[int]]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: max_model_len);
@@ -268,8 +271,6 @@ class LLMEngine:
         if banned > limits.max_banned_tokens:
             raise ValueError(f"SamplingParams.bad_words: {banned} banned token sequences (bad words, with "
                              f"stop_token_ids and EOS under min_tokens), at most {limits.max_banned_tokens} are supported")
-        if params.structured_outputs is not None:
-            self.grammars.grammar(params.structured_outputs)  # compiles it: a ValueError names the field
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as vLLM tokenizes them: the word as given (left-stripped),
@@ -304,8 +305,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_index=arrival,
                           max_tokens=self._output_cap(params, len(token_ids)), seed=seed,
                           bad_words_token_ids=self._bad_words_token_ids(params))
-        if params.structured_outputs is not None:
-            request.grammar = self.grammars.matcher(self.grammars.grammar(params.structured_outputs))
+        if valid.grammar is not None:
+            request.grammar = self.grammars.matcher(valid.grammar)
         replica = min(self.replicas, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
         replica.scheduler.add(request)
         self._replica_of[request_id] = replica

@@ -290,13 +290,7 @@ def _tokenize(state: ServerState, body) -> dict:
     if engine.tokenizer is None:
         raise RequestError("this model has no tokenizer", param="prompt")
     if body.messages is not None:
-        try:
-            prompt = async_llm.llm.chat_prompt(body.conversation(), body.add_generation_prompt, tools=body.tools,
-                                               chat_template=body.chat_template or state.config.chat_template,
-                                               chat_template_kwargs=body.chat_template_kwargs)
-        except ValueError as err:
-            raise RequestError(str(err), param=protocol.field_of(str(err), {"prompt": "messages"})) from None
-        tokens = prompt["prompt_token_ids"]
+        tokens = _chat_prompt(state, async_llm, body)["prompt_token_ids"]
     elif body.prompt is not None:
         try:
             check_unicode(body.prompt)
@@ -306,6 +300,18 @@ def _tokenize(state: ServerState, body) -> dict:
     else:
         raise RequestError("prompt: give `prompt` or `messages`", param="prompt")
     return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
+
+
+def _chat_prompt(state: ServerState, async_llm: AsyncLLM, body, continue_final_message: bool = False) -> dict:
+    """The messages of a chat or /tokenize body through the chat template (the request's, else
+    --chat-template's, else the model's); a 400 names the field at fault."""
+    try:
+        return async_llm.llm.chat_prompt(
+            body.conversation(), body.add_generation_prompt, tools=body.tools,
+            chat_template=body.chat_template or state.config.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs, continue_final_message=continue_final_message)
+    except ValueError as err:
+        raise RequestError(str(err), param=protocol.field_of(str(err), {"prompt": "messages"})) from None
 
 
 def _sampling_defaults(source: str, llm) -> dict:
@@ -435,13 +441,7 @@ async def _chat_completions(state: ServerState, request: Request, body: protocol
     async_llm = state.ready()
     protocol.check_prompt_logprobs(body)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
-    try:
-        prompt = async_llm.llm.chat_prompt(
-            body.conversation(), body.add_generation_prompt, tools=body.tools,
-            chat_template=body.chat_template or state.config.chat_template,
-            chat_template_kwargs=body.chat_template_kwargs, continue_final_message=body.continue_final_message)
-    except ValueError as err:
-        raise RequestError(str(err), param=protocol.field_of(str(err), {"prompt": "messages"})) from None
+    prompt = _chat_prompt(state, async_llm, body, body.continue_final_message)
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(body, max_tokens_field)
     protocol.check_top_logprobs(body)
