@@ -27,7 +27,7 @@ from jaxrunner.entrypoints.openai.api_server import ServerConfig, ServerState, b
 from server_helpers import free_port, serving, wait_for_health  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-KEY = SERVER_KEY  # the session's server (conftest: served, client)
+KEY = SERVER_KEY  # the shared server's (conftest: served, client)
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
 
 

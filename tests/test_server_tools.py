@@ -1,4 +1,4 @@
-"""Structured output and tool calls over HTTP with the ``openai`` client, against the session's
+"""Structured output and tool calls over HTTP with the ``openai`` client, against the shared
 SmolLM2 server (conftest ``served``; tool calls read by the hermes parser): JSON schemas, regex and
 choice on both endpoints, streamed and whole; the tool-call loop (request, tool_calls, tool result,
 answer) with a tool-capable chat template written here; refusals that name the request's field; and
