@@ -19,6 +19,6 @@ def __getattr__(name):  # LLM and LLMEngine pull in JAX and transformers: import
         from jaxrunner.engine.engine import LLMEngine
         return LLMEngine
     if name == "create_engine":  # an LLMEngine for an EngineConfig: loads, starts the executors
-        from jaxrunner.runner.builder import create_engine
+        from jaxrunner.engine_factory import create_engine
         return create_engine
     raise AttributeError(name)

@@ -11,8 +11,8 @@ from typing import Iterator, Sequence
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
 from jaxrunner.engine.engine import check_unicode
 from jaxrunner.engine.loop import EngineLoop
+from jaxrunner.engine_factory import create_engine
 from jaxrunner.outputs import RequestOutput
-from jaxrunner.runner.builder import create_engine
 from jaxrunner.runner.preflight import check_before_loading
 from jaxrunner.sampling_params import SamplingParams
 

@@ -1,5 +1,7 @@
-"""The engine is host-only: nothing under ``jaxrunner/engine/`` imports JAX, the runner, the models
-or the kernels. It reaches the devices through the executor protocol alone (``engine/executor.py``)."""
+"""The door between the engine and the runner: nothing under ``jaxrunner/engine/`` imports JAX, the
+runner, the models or the kernels; nothing under ``jaxrunner/runner/`` imports the engine (no
+``Request`` crosses); the protocol both sides share (``jaxrunner/executor_protocol.py``) imports
+neither, nor JAX."""
 from __future__ import annotations
 
 import ast
@@ -7,11 +9,20 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import jaxrunner
 
-ENGINE_DIR = pathlib.Path(jaxrunner.__file__).parent / "engine"
-FORBIDDEN = ("jax", "jaxlib", "jaxrunner.runner", "jaxrunner.models", "jaxrunner.kernels", "jaxrunner.parallel",
-             "kernels", "flax", "torch")
+PACKAGE = pathlib.Path(jaxrunner.__file__).parent
+DEVICE_CODE = ("jax", "jaxlib", "jaxrunner.runner", "jaxrunner.models", "jaxrunner.kernels", "jaxrunner.parallel",
+               "kernels", "flax", "torch")
+# what each side of the door may not import, and the files of each side
+RULES = {
+    "engine": (sorted((PACKAGE / "engine").glob("*.py")), DEVICE_CODE),
+    "runner": (sorted((PACKAGE / "runner").glob("*.py")), ("jaxrunner.engine", "jaxrunner.engine_factory", "jaxrunner.llm",
+                                                          "jaxrunner.async_llm")),
+    "protocol": ([PACKAGE / "executor_protocol.py"], DEVICE_CODE + ("jaxrunner.engine",)),
+}
 
 
 def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -31,15 +42,25 @@ def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
     return found
 
 
-def _is_forbidden(module: str) -> bool:
-    return any(module == name or module.startswith(name + ".") for name in FORBIDDEN)
+def _is_forbidden(module: str, forbidden=DEVICE_CODE) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in forbidden)
 
 
-def test_engine_modules_import_no_device_code():
-    modules = sorted(ENGINE_DIR.glob("*.py"))
-    assert len(modules) >= 8, modules  # the walk sees the package
+@pytest.mark.parametrize("side", sorted(RULES))
+def test_each_side_of_the_door_imports_only_the_protocol(side):
+    modules, forbidden = RULES[side]
+    assert len(modules) >= (1 if side == "protocol" else 8), modules  # the walk sees the package
     offending = [f"{path.name}:{line}: {module}" for path in modules
-                 for line, module in _imported_modules(path) if _is_forbidden(module)]
+                 for line, module in _imported_modules(path) if _is_forbidden(module, forbidden)]
+    assert offending == []
+
+
+def test_no_request_object_reaches_the_runner():
+    """Not even by name: the runner reads messages, never the engine's live objects."""
+    modules, _ = RULES["runner"]
+    offending = [f"{path.name}:{node.lineno}" for path in modules for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, (ast.Name, ast.Attribute)) and
+                 (getattr(node, "id", None) == "Request" or getattr(node, "attr", None) == "request")]
     assert offending == []
 
 

@@ -10,7 +10,8 @@ from engine_helpers import count_compilations, make_llm, random_prompts, token_i
 from jaxrunner import SamplingParams
 from jaxrunner.engine.request import Request
 from jaxrunner.outputs import Logprob
-from jaxrunner.runner.step_batch import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, banned_tokens
+from jaxrunner.engine.step_input import banned_tokens
+from jaxrunner.runner.step_batch import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 

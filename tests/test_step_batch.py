@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from jaxrunner.engine.request import Request
-from jaxrunner.engine.scheduler import ScheduledChunk
+from jaxrunner.engine.scheduler import ScheduledChunk, StepPlan
+from jaxrunner.engine.step_input import build_step_input
+from jaxrunner.executor_protocol import NO_TOKEN, SamplingRow, SequenceInput
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.runner.buckets import Bucket
-from jaxrunner.runner.sampler import NO_TOKEN
-from jaxrunner.runner.step_batch import (AttentionMetadata, DraftRows, SamplingMetadata, SamplingRow, SequenceRows,
-                                         StepBatch, lay_out)
+from jaxrunner.runner.step_batch import AttentionMetadata, DraftRows, SamplingMetadata, StepBatch, lay_out
 from jaxrunner.runner.warmup import random_dummy_batch, zeros_dummy_batch
 from jaxrunner.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ def _served(bucket: Bucket) -> StepBatch:
     prefill = _running("prefill", list(range(20, 40)), 8, [3, 4, 5], prompt_logprobs=2, repetition_penalty=1.2)
     decode_chunk = ScheduledChunk(decode, 9, 3, [41, 42]) if bucket.num_draft_rows else ScheduledChunk(decode, 9, 1)
     chunks = [decode_chunk, ScheduledChunk(prefill, 8, 10)]
-    return pack_step(chunks, bucket, PAGE_SIZE, VOCAB, eos_token_ids=(2,))
+    return pack_step(build_step_input(StepPlan(chunks), eos_token_ids=(2,)), bucket, PAGE_SIZE, VOCAB)
 
 
 def _signature(batch) -> tuple:
@@ -119,8 +119,8 @@ def test_dummy_proposals_are_laid_out_like_served_ones():
 
 
 def test_layout_refuses_what_does_not_fit():
-    rows = SequenceRows(token_ids=np.arange(3), feed_rows=np.full(3, -1), kv_len=3, pages=np.array([1]),
-                        sampling=SamplingRow(), num_drafts=2)
+    rows = SequenceInput(token_ids=np.arange(3), feed_rows=np.full(3, -1), kv_len=3, pages=np.array([1]),
+                         sampling=SamplingRow(), num_drafts=2)
     with pytest.raises(RuntimeError, match="draft rows"):
         lay_out(PLAIN, PAGE_SIZE, VOCAB, [rows])
     with pytest.raises(RuntimeError, match="do not fit bucket"):

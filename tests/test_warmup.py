@@ -48,7 +48,8 @@ def test_pack_step_feeds_a_token_still_on_the_device():
     """Async scheduling: a decode whose input token was sampled by the step in flight gets a
     placeholder id and the row of that step's output to read it from."""
     from jaxrunner.engine.request import Request
-    from jaxrunner.engine.scheduler import ScheduledChunk
+    from jaxrunner.engine.scheduler import ScheduledChunk, StepPlan
+    from jaxrunner.engine.step_input import build_step_input
     from jaxrunner.runner.batch import pack_step
     from jaxrunner.sampling_params import SamplingParams
 
@@ -58,13 +59,13 @@ def test_pack_step_feeds_a_token_still_on_the_device():
     pending.expect_output()
     for request, computed, pages in ((known, 3, [1]), (pending, 2, [2])):
         request.num_computed_tokens, request.page_ids = computed, pages
-    chunks = [ScheduledChunk(known, 3, 1), ScheduledChunk(pending, 2, 1)]
-    batch = pack_step(chunks, Bucket(16, 4, 2), 8, 64, feed_rows={pending: 5})
+    plan = StepPlan([ScheduledChunk(known, 3, 1), ScheduledChunk(pending, 2, 1)])
+    batch = pack_step(build_step_input(plan, (), feed_rows={"pending": 5}), Bucket(16, 4, 2), 8, 64)
     assert batch.token_ids[:2].tolist() == [8, 0] and batch.feed_rows[:3].tolist() == [-1, 5, -1]
     assert batch.sampling.positions[:2].tolist() == [4, 3]
     assert batch.sampling.banned[1, 0] == 3  # 1 expected output < min_tokens: stop ids stay banned
     with pytest.raises(RuntimeError, match="on the device"):
-        pack_step(chunks, Bucket(16, 4, 2), 8, 64)
+        build_step_input(plan, ())
 
 
 def test_random_and_zero_batches_lower_to_the_same_program(tiny_checkpoints):

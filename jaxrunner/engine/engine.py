@@ -1,8 +1,8 @@
 """LLMEngine: the serving loop — add requests, step, abort, stream outputs.
 
-One step: the scheduler plans (host), the batch is packed at a bucket shape, the runner runs one
-precompiled executable (device), then sampled tokens are appended, detokenized and checked for
-stops, and finished requests free their pages.
+One step: the scheduler plans (host), the plan becomes a ``StepInput`` (``engine.step_input``), the
+executor packs it at a bucket shape and runs one precompiled executable (device), then sampled
+tokens are appended, detokenized and checked for stops, and finished requests free their pages.
 
 Async scheduling (the default, like vLLM's ``async_scheduling``): ``step()`` plans and dispatches
 step N+1 *before* it waits for step N, so the host's planning, packing and dispatch overlap the
@@ -32,16 +32,15 @@ import numbers
 import threading
 from typing import Sequence
 
-import numpy as np
-
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.executor import Executor, StepHandle
 from jaxrunner.engine.output_processor import OutputProcessor
 from jaxrunner.engine.page_allocator import PageAllocator
 from jaxrunner.engine.request import Request, check_request_id_free
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxrunner.engine.spec_decode import NgramProposer
+from jaxrunner.engine.step_input import build_step_input
 from jaxrunner.engine.structured_output import GrammarCompiler
+from jaxrunner.executor_protocol import Executor, SampledRows, StepHandle
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
@@ -109,7 +108,7 @@ class _PendingStep:
 class LLMEngine:
     """The engine: requests in, outputs out, over one executor per data-parallel replica.
 
-    Built by ``jaxrunner.runner.builder.create_engine`` (which loads the model and starts the
+    Built by ``jaxrunner.engine_factory.create_engine`` (which loads the model and starts the
     executors); this side is host-only Python and never touches a device."""
 
     def __init__(self, config: EngineConfig, executors: Sequence[Executor]):
@@ -343,29 +342,14 @@ class LLMEngine:
                 replica.in_flight = self._launch_behind(current)
         return [output for current in launched for output in self.complete_step(current)]
 
-    def _launch(self, replica: _Replica, feed_rows: dict | None) -> "_PendingStep | None":
-        """Plan one step and dispatch it without waiting for the device (``None``: nothing to do)."""
+    def _launch(self, replica: _Replica, feed_rows: dict[str, int] | None) -> "_PendingStep | None":
+        """Plan one step and dispatch it without waiting for the device (``None``: nothing to do).
+        ``feed_rows``: request id → the row of the step in flight that samples its last token."""
         plan = replica.scheduler.schedule()
         if plan.is_empty:
             return None
-        self._fill_bitmasks(plan)
-        return _PendingStep(replica, plan, replica.executor.execute(plan, feed_rows))
-
-    def _fill_bitmasks(self, plan) -> None:
-        """The allowed next tokens of each constrained request this step samples for (its matcher
-        has seen every past token: such requests keep steps synchronous), and, under proposals, the
-        tokens allowed in each proposal's place."""
-        for chunk in plan.chunks:
-            request = chunk.request
-            if request.grammar is None:
-                continue
-            if not chunk.sample:
-                request.next_token_bitmask = request.draft_token_bitmasks = None
-            elif not chunk.draft_token_ids:
-                request.next_token_bitmask, request.draft_token_bitmasks = self.grammars.fill_bitmask(request.grammar), None
-            else:
-                *drafts, last = self.grammars.fill_bitmasks_along(request.grammar, chunk.draft_token_ids)
-                request.draft_token_bitmasks, request.next_token_bitmask = np.stack(drafts), last
+        step = build_step_input(plan, replica.executor.eos_token_ids, self.grammars, feed_rows)
+        return _PendingStep(replica, plan, replica.executor.execute(step))
 
     def _async_enabled(self) -> bool:
         return self.config.async_scheduling and not self.executor.synchronous
@@ -387,7 +371,7 @@ class LLMEngine:
         for row, chunk in enumerate(current.plan.chunks):
             if chunk.sample and not chunk.request.is_finished:
                 chunk.request.expect_output()
-                feed_rows[chunk.request] = row
+                feed_rows[chunk.request.request_id] = row
         return self._launch(current.replica, feed_rows)
 
     def complete_step(self, pending: "_PendingStep | None") -> list[RequestOutput]:
@@ -416,7 +400,7 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.output_processor)
 
-    def _accept_chunk(self, scheduler: Scheduler, chunk: ScheduledChunk, sampled, row: int,
+    def _accept_chunk(self, scheduler: Scheduler, chunk: ScheduledChunk, sampled: SampledRows, row: int,
                       draft_row: int) -> RequestOutput:
         """Hand the chunk's sampled rows to the output processor (with proposals, the rows verifying
         them first), then tell the scheduler of a stop and of the proposals accepted. One output

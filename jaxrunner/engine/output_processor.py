@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.request import Request
+from jaxrunner.executor_protocol import SampledRows
 from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
@@ -84,10 +85,9 @@ class OutputProcessor:
         return list(self._states)
 
     # ------------------------------------------------------------------ sampled tokens
-    def append_sampled(self, request: Request, sampled, rows: Sequence[int],
+    def append_sampled(self, request: Request, sampled: SampledRows, rows: Sequence[int],
                        draft_token_ids: Sequence[int] = ()) -> tuple[int, str | None]:
-        """Append the tokens of ``rows`` of ``sampled`` (the runner's arrays: ``tokens``, ``logprobs``,
-        ``ranks``, ``top_ids``, ``top_logprobs``): first the rows verifying ``draft_token_ids``, one
+        """Append the tokens of ``rows`` of ``sampled`` (the runner's host arrays): first the rows verifying ``draft_token_ids``, one
         each, then the chunk's own. The walk stops at a finish or at the first token that differs
         from the proposal its row checked. Returns how many proposals were accepted and the finish
         reason ("stop", "length") or None."""
@@ -102,20 +102,20 @@ class OutputProcessor:
             num_accepted += 1
         return num_accepted, None
 
-    def _append_token(self, state: RequestState, sampled, row: int) -> tuple[int, str | None]:
+    def _append_token(self, state: RequestState, sampled: SampledRows, row: int) -> tuple[int, str | None]:
         """Append the token of ``row`` with its logprobs; returns it and the finish reason (or None)."""
         request = state.request
-        token = int(sampled["tokens"][row])
+        token = int(sampled.tokens[row])
         request.append_output(token)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         delta_len = state.detokenizer.append(token)
-        logprob = float(sampled["logprobs"][row])
+        logprob = float(sampled.logprobs[row])
         state.cumulative_logprob += logprob
         if state.logprobs is not None:
             state.logprobs.append(self._logprobs_dict(
-                token, logprob, int(sampled["ranks"][row]), request.sampling_params.logprobs,
-                sampled["top_ids"][row], sampled["top_logprobs"][row]))
+                token, logprob, int(sampled.ranks[row]), request.sampling_params.logprobs,
+                sampled.top_ids[row], sampled.top_logprobs[row]))
         if request.grammar is not None and not request.grammar.consume_token(token):
             # the sampler only draws tokens the grammar allowed: this is a defect, not the user's
             _logger.error("request %r: the grammar refused sampled token %d (%s); the request is stopped",
@@ -141,7 +141,7 @@ class OutputProcessor:
         return None
 
     # ------------------------------------------------------------------ prompt logprobs
-    def accept_prompt_logprobs(self, chunks: Iterable[ScheduledChunk], sampled) -> None:
+    def accept_prompt_logprobs(self, chunks: Iterable[ScheduledChunk], sampled: SampledRows) -> None:
         """Record the prompt logprobs a step computed for its ``chunks`` (in batch order; their query
         rows follow one another from row 0 of ``sampled``'s ``prompt_*`` arrays)."""
         cursor = 0
@@ -151,14 +151,15 @@ class OutputProcessor:
                 self._accept_chunk_prompt_logprobs(state, chunk, sampled, cursor)
             cursor += chunk.num_tokens
 
-    def _accept_chunk_prompt_logprobs(self, state: RequestState, chunk: ScheduledChunk, sampled, cursor: int) -> None:
+    def _accept_chunk_prompt_logprobs(self, state: RequestState, chunk: ScheduledChunk, sampled: SampledRows,
+                                      cursor: int) -> None:
         prompt, k = state.request.prompt_token_ids, state.request.sampling_params.prompt_logprobs
         for position in range(chunk.start, min(chunk.end, len(prompt) - 1)):
             row = cursor + position - chunk.start
             if state.prompt_logprobs[position + 1] is None:
                 state.prompt_logprobs[position + 1] = self._logprobs_dict(
-                    prompt[position + 1], float(sampled["prompt_logprobs"][row]), int(sampled["prompt_ranks"][row]),
-                    k, sampled["prompt_top_ids"][row], sampled["prompt_top_logprobs"][row])
+                    prompt[position + 1], float(sampled.prompt_logprobs[row]), int(sampled.prompt_ranks[row]),
+                    k, sampled.prompt_top_ids[row], sampled.prompt_top_logprobs[row])
 
     def _logprobs_dict(self, token: int, logprob: float, rank: int, k: int, top_ids, top_logprobs) -> LogprobsDict:
         """vLLM's shape: the actual token first, then the top ``k`` (ranks 1..k)."""

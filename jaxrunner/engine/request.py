@@ -6,9 +6,9 @@ A ``Request`` is the one record of a request's progress; each piece has one writ
   ``page_ids`` and ``num_cached_tokens`` (from what the page allocator hands it; the allocator
   only reads a request), preemptions and the speculative back-off;
 * the engine sets the request up (``max_tokens``, ``seed``, ``bad_words_token_ids``, the
-  structured-output ``grammar``), fills ``next_token_bitmask`` before a step samples for a
-  constrained request, and, with async scheduling, counts a token that a dispatched step will sample (``expect_output``), so the
-  next step can be planned before that token reaches the host;
+  structured-output ``grammar``) and, with async scheduling, counts a token that a dispatched
+  step will sample (``expect_output``), so the next step can be planned before that token
+  reaches the host;
 * the output processor (``engine.output_processor``) appends sampled tokens (``append_output``)
   and decides when the request stops; its text, logprobs and stop reason live there, not here.
 
@@ -65,10 +65,8 @@ class Request:
     # SamplingParams.bad_words as token sequences (the engine tokenizes them, as vLLM does).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Structured output (``engine.structured_output``): the llguidance matcher, fed every output
-    # token, and the bitmask of the tokens it allows next (filled for each step that samples).
+    # token; the step input asks it for the tokens allowed next (``engine.step_input``).
     grammar: Any = None
-    next_token_bitmask: Any = None
-    draft_token_bitmasks: Any = None  # with proposals: one row per proposal, the tokens allowed in its place
     # Tokens sampled by a step still on the device: counted in num_tokens, not yet in
     # output_token_ids (the next step reads them on the device). At most one under async scheduling.
     num_pending_outputs: int = 0

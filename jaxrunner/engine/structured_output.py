@@ -27,7 +27,7 @@ import llguidance
 import llguidance.numpy as llguidance_numpy
 import numpy as np
 
-from jaxrunner.engine.executor import bitmask_words
+from jaxrunner.executor_protocol import bitmask_words
 from jaxrunner.sampling_params import StructuredOutputsParams
 
 

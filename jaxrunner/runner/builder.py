@@ -1,8 +1,8 @@
-"""Build an engine: devices, mesh, loading, quantization, then one started executor per mesh row.
+"""Build the runner side: devices, mesh, loading, quantization, then one started executor per mesh row.
 
-This is where the runner side is put together; the engine (``jaxrunner.engine``) only receives
-the executors. Data parallelism is one executor per row of the ``("data", "model")`` mesh, each
-with a copy of the weights and its own KV pool: the rows share nothing at run time.
+The engine (``jaxrunner.engine``) only receives the executors (``jaxrunner.engine_factory``). Data
+parallelism is one executor per row of the ``("data", "model")`` mesh, each with a copy of the
+weights and its own KV pool: the rows share nothing at run time.
 """
 from __future__ import annotations
 
@@ -11,18 +11,11 @@ import dataclasses
 import jax
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.engine import LLMEngine
 from jaxrunner.models.loading import LoadedModel, load_model
 from jaxrunner.models.loading.quantize import quantize_model
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
 from jaxrunner.runner.executor import Executor
 from jaxrunner.runner.preflight import check_draft_vocabulary
-
-
-def create_engine(config: EngineConfig, model: LoadedModel | None = None) -> LLMEngine:
-    """The engine ``config`` asks for. ``model``: already loaded (onto the first replica's mesh)
-    instead of read from ``config.model``."""
-    return LLMEngine(config, build_executors(config, model))
 
 
 def build_executors(config: EngineConfig, model: LoadedModel | None = None) -> list[Executor]:

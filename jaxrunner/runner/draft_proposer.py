@@ -28,7 +28,8 @@ from jaxrunner.models.loading import LoadedModel
 from jaxrunner.runner.buckets import MAX_SPEC_SEQS, BucketPlan
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.startup import start_runner
-from jaxrunner.runner.step_batch import NO_FEED, SamplingRow, SequenceRows, lay_out
+from jaxrunner.executor_protocol import NO_FEED, SamplingRow, SequenceInput
+from jaxrunner.runner.step_batch import lay_out
 
 logger = logging.getLogger("jaxrunner")
 
@@ -136,7 +137,7 @@ class DraftModelProposer:
         return (sum(map(len, pending)) <= self.max_step_tokens
                 and (self.max_prefill_seqs is None or prefills <= self.max_prefill_seqs))
 
-    def _catch_up_rows(self, batch: list[_Query]) -> list[SequenceRows]:
+    def _catch_up_rows(self, batch: list[_Query]) -> list[SequenceInput]:
         """One unsampled step over the oldest pending tokens, each query keeping at least its last."""
         rows, budget = [], self.max_step_tokens
         for query in batch:
@@ -149,21 +150,21 @@ class DraftModelProposer:
             budget -= count
         return rows
 
-    def _rows(self, seq: _DraftSeq, tokens: list[int], sample: bool) -> SequenceRows:
+    def _rows(self, seq: _DraftSeq, tokens: list[int], sample: bool) -> SequenceInput:
         kv_len = len(seq.token_ids) + len(tokens)
-        return SequenceRows(token_ids=np.asarray(tokens, np.int32), feed_rows=np.full(len(tokens), NO_FEED, np.int32),
-                            kv_len=kv_len, pages=self._pages(seq, kv_len), sampling=GREEDY if sample else None)
+        return SequenceInput(token_ids=np.asarray(tokens, np.int32), feed_rows=np.full(len(tokens), NO_FEED, np.int32),
+                             kv_len=kv_len, pages=self._pages(seq, kv_len), sampling=GREEDY if sample else None)
 
-    def _fed_row(self, seq: _DraftSeq, slot: int, j: int) -> SequenceRows:
+    def _fed_row(self, seq: _DraftSeq, slot: int, j: int) -> SequenceInput:
         """Decode j: the proposal the step before sampled in ``slot``, read from the device feed."""
         kv_len = len(seq.token_ids) + j
-        return SequenceRows(token_ids=np.zeros(1, np.int32), feed_rows=np.full(1, slot, np.int32), kv_len=kv_len,
-                            pages=self._pages(seq, kv_len), sampling=GREEDY)
+        return SequenceInput(token_ids=np.zeros(1, np.int32), feed_rows=np.full(1, slot, np.int32), kv_len=kv_len,
+                             pages=self._pages(seq, kv_len), sampling=GREEDY)
 
     def _pages(self, seq: _DraftSeq, kv_len: int) -> np.ndarray:
         return np.asarray(seq.pages[:math.ceil(kv_len / self.page_size)], np.int32)
 
-    def _packed(self, rows: list[SequenceRows]):
+    def _packed(self, rows: list[SequenceInput]):
         widest = max(len(row.pages) for row in rows)
         bucket = self.bucket_plan.select(sum(len(row.token_ids) for row in rows), len(rows), widest)
         return bucket, lay_out(bucket, self.page_size, self.runner.cfg.vocab_size, rows)

@@ -1,4 +1,4 @@
-"""The executor: one mesh row's model runner behind the engine's protocol (``engine/executor.py``).
+"""The executor: one mesh row's model runner behind the engine's protocol (``jaxrunner/executor_protocol.py``).
 
 It turns a scheduler's plan into one bucket-shaped batch and one device call, and hands back the
 sampled rows as host arrays; the engine sees nothing else of the devices. Everything it needs is
@@ -11,7 +11,7 @@ import dataclasses
 import jax
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.engine.executor import SamplingLimits
+from jaxrunner.executor_protocol import SampledRows, SamplingLimits, StepInput
 from jaxrunner.runner import weights
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.runner.buckets import MAX_SPEC_SEQS
@@ -76,14 +76,13 @@ class Executor:
         return jax.process_count() > 1
 
     # ------------------------------------------------------------------ steps
-    def execute(self, plan, feed_rows: dict | None) -> StepHandle:
-        widest = max(len(chunk.request.page_ids) for chunk in plan.chunks)
-        bucket = self.bucket_plan.select(plan.num_batched_tokens, len(plan.chunks), widest)
-        batch = pack_step(plan.chunks, bucket, self.page_size, self.vocab_size, self.eos_token_ids, self.max_prefill_seqs, feed_rows)
+    def execute(self, step: StepInput) -> StepHandle:
+        bucket = self.bucket_plan.select(step.num_tokens, len(step.sequences), step.widest)
+        batch = pack_step(step, bucket, self.page_size, self.vocab_size, self.max_prefill_seqs)
         return StepHandle(self.runner.dispatch(bucket, batch), bucket.num_seqs)
 
-    def fetch(self, handle: StepHandle, prompt_logprobs: bool) -> dict:
-        return self.runner.fetch(handle.device_outputs, prompt_logprobs)
+    def fetch(self, handle: StepHandle, prompt_logprobs: bool) -> SampledRows:
+        return SampledRows(**self.runner.fetch(handle.device_outputs, prompt_logprobs))
 
     # ------------------------------------------------------------------ weights
     @property

@@ -32,7 +32,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.runner.step_batch import MAX_LOGPROBS, NO_LOGPROBS, NO_TOKEN, DraftRows, SamplingMetadata
+from jaxrunner.executor_protocol import NO_LOGPROBS, NO_TOKEN
+from jaxrunner.runner.step_batch import MAX_LOGPROBS, DraftRows, SamplingMetadata
 
 __all__ = ["sample", "prompt_logprobs", "empty_prompt_logprobs", "with_draft_rows", "verify_draws", "first_argmax",
            "MAX_LOGPROBS", "NO_LOGPROBS", "NO_TOKEN"]

@@ -9,11 +9,11 @@ buckets without draft rows). Every field is a data field: a meta field is part o
 executable's signature, so a new value of it would compile while serving. Two batches of one
 bucket therefore differ in values only.
 
-One layout for serving and warm-up: ``runner.batch.pack_step`` (from the scheduler's chunks) and
-``runner.warmup.random_dummy_batch`` (random lengths, contexts, pages and ``random_sampling_rows``)
-both describe each sequence as a ``SequenceRows`` and hand the list to ``lay_out``, which alone
-knows where a sequence's tokens, positions, slots, page-table row, query and KV lengths, logits
-row, sampling row and draft rows go.
+One layout for serving and warm-up: a step from the engine (``executor_protocol.StepInput``, through
+``runner.batch.pack_step``) and ``runner.warmup.random_dummy_batch`` (random lengths, contexts,
+pages and ``random_sampling_rows``) both describe each sequence as a ``SequenceInput`` and hand
+them to ``lay_out``, which alone knows where a sequence's tokens, positions, slots, page-table row,
+query and KV lengths, logits row, sampling row and draft rows go.
 
 Padding is inert by construction: padded tokens write their K/V into the scratch page, padded
 sequences have no query rows and ``kv_len`` 0, page-table entries past a sequence's pages point at
@@ -32,25 +32,22 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxrunner.engine.executor import FREE_ROW, bitmask_words
+from jaxrunner.executor_protocol import (FREE_ROW, NO_FEED, NO_LOGPROBS, NO_TOKEN, SamplingRow, SequenceInput,
+                                         bitmask_words)
 from jaxrunner.kernels import SCRATCH_PAGE
 from jaxrunner.models.attention import AttentionMetadata
 from jaxrunner.runner.buckets import Bucket
 
-__all__ = ["AttentionMetadata", "SamplingMetadata", "DraftRows", "StepBatch", "SamplingRow", "SequenceRows",
-           "lay_out", "banned_tokens", "random_sampling_rows", "SCRATCH_PAGE", "NO_FEED", "MAX_BANNED_TOKENS",
-           "MAX_LOGIT_BIAS", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGPROBS", "NO_TOKEN", "NO_LOGPROBS"]
+__all__ = ["AttentionMetadata", "SamplingMetadata", "DraftRows", "StepBatch", "lay_out", "random_sampling_rows",
+           "SCRATCH_PAGE", "MAX_BANNED_TOKENS", "MAX_LOGIT_BIAS", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20  # like vLLM's default max_logprobs: top-k logprobs the sampler returns per token, k <= this
-NO_TOKEN = -1      # padding in token-id arrays (history, banned tokens)
-NO_LOGPROBS = -1   # num_logprobs of a row that asks for none (0 asks for the sampled token's only)
 
 # Banned per row and step: EOS + stop_token_ids while min_tokens is not reached, and the last
 # token of each bad word whose other tokens end the output.
 MAX_BANNED_TOKENS = 64
 MAX_LOGIT_BIAS = 64          # logit_bias entries per request
 MAX_ALLOWED_TOKEN_IDS = 128  # allowed_token_ids per request
-NO_FEED = -1                 # feed_rows entry of a token known on the host
 
 
 def _pytree(*data_fields: str):
@@ -176,70 +173,7 @@ class StepBatch:
         return int(self.attention.cu_q_lens[self.num_seqs])
 
 
-# ----------------------------------------------------------------------------- one sequence's rows
-@dataclasses.dataclass(frozen=True)
-class SamplingRow:
-    """One sequence's sampling settings: ``lay_out`` writes each field into the ``SamplingMetadata``
-    column of the same name (a token-id list into the row's first entries). Defaults are "off"."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seeds: int = 0
-    seeds_high: int = 0
-    prompt_lens: int = 0
-    history: Sequence[int] = ()
-    banned: Sequence[int] = ()
-    allowed_token_ids: Sequence[int] = ()
-    logit_bias_ids: Sequence[int] = ()
-    logit_bias_values: Sequence[float] = ()
-    num_logprobs: int = NO_LOGPROBS
-    token_bitmask: Sequence[int] = ()  # a whole row (structured output), or () for no constraint
-
-    @classmethod
-    def from_request(cls, request, eos_token_ids=()) -> SamplingRow:
-        """The settings of ``request``'s next token (an ``engine.request.Request``)."""
-        sp = request.sampling_params
-        if request.needs_host_history and request.num_pending_outputs:
-            raise RuntimeError(f"request {request.request_id!r}: penalties and bad words need every past token on "
-                               "the host, but one is still on the device (async scheduling must wait for it)")
-        bias = sp.logit_bias or {}
-        return cls(temperature=0.0 if sp.greedy else sp.temperature, top_k=max(sp.top_k, 0), top_p=sp.top_p,
-                   min_p=sp.min_p, repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
-                   frequency_penalty=sp.frequency_penalty, seeds=request.seed & 0xFFFFFFFF,
-                   seeds_high=request.seed >> 32, prompt_lens=request.num_prompt_tokens,
-                   history=request.all_token_ids if sp.uses_penalties else (),
-                   banned=banned_tokens(request, eos_token_ids), allowed_token_ids=sp.allowed_token_ids or (),
-                   logit_bias_ids=list(bias), logit_bias_values=list(bias.values()),
-                   num_logprobs=NO_LOGPROBS if sp.logprobs is None else sp.logprobs,
-                   token_bitmask=() if request.next_token_bitmask is None else request.next_token_bitmask)
-
-
-def banned_tokens(request, eos_token_ids) -> list[int]:
-    """Tokens the request may not sample next: EOS and stop ids before ``min_tokens``, and, as in
-    vLLM, the last token of each bad word whose other tokens are the end of the output so far
-    (a one-token bad word is always banned)."""
-    sp = request.sampling_params
-    banned = set()
-    if request.num_expected_outputs < sp.min_tokens:
-        banned.update(sp.stop_token_ids or ())
-        if not sp.ignore_eos:
-            banned.update(eos_token_ids)
-    outputs = request.output_token_ids
-    for word in request.bad_words_token_ids:
-        prefix = word[:-1]
-        if len(prefix) <= len(outputs) and outputs[len(outputs) - len(prefix):] == prefix:
-            banned.add(word[-1])
-    if len(banned) > MAX_BANNED_TOKENS:  # check_sampling_params keeps requests under it
-        raise RuntimeError(f"request {request.request_id!r}: {len(banned)} banned tokens, at most "
-                           f"{MAX_BANNED_TOKENS} fit")
-    return sorted(banned)
-
-
+# ----------------------------------------------------------------------------- warm-up rows
 def random_sampling_rows(rng: np.random.Generator, prompt_lens: Sequence[int], vocab: int,
                          history_width: int) -> list[SamplingRow]:
     """Random, valid settings for sequences whose prompts are ``prompt_lens`` long (warm-up). Each
@@ -281,23 +215,8 @@ def random_sampling_rows(rng: np.random.Generator, prompt_lens: Sequence[int], v
     return [SamplingRow(**{name: values[i] for name, values in columns.items()}) for i in range(rows)]
 
 
-@dataclasses.dataclass(frozen=True)
-class SequenceRows:
-    """One sequence's part of a step, before ``lay_out`` places it at a bucket's shape. Its query
-    holds positions ``[kv_len - q, kv_len)``, q the number of its tokens."""
-
-    token_ids: np.ndarray  # [q] int32: the tokens computed, its proposals last (0 where fed from the device)
-    feed_rows: np.ndarray  # [q] int32: the previous step's sampled row whose id replaces the token, or NO_FEED
-    kv_len: int            # the sequence's cached tokens once the step is done (context + query)
-    pages: np.ndarray      # [>= ceil(kv_len / page_size)] int32: its pages; position p is in pages[p // page_size]
-    prompt_targets: np.ndarray | None = None  # [q] int32: next prompt token per row (prompt logprobs), NO_TOKEN
-    sampling: SamplingRow | None = None       # settings of the token it samples; None: no row sampled
-    num_drafts: int = 0    # its last num_drafts tokens are proposals, each checked by a draft row
-    draft_bitmasks: np.ndarray | None = None  # [num_drafts, words]: each draft row's allowed tokens (None: all)
-
-
 # ----------------------------------------------------------------------------- the layout
-def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence[SequenceRows]) -> StepBatch:
+def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence[SequenceInput]) -> StepBatch:
     """The batch of ``bucket``'s shape holding ``sequences`` back to back, the rest padding
     (``vocab_size``: the model's logits, which the token bitmask covers)."""
     if len(sequences) > bucket.num_seqs or sum(len(seq.token_ids) for seq in sequences) > bucket.num_tokens:
@@ -317,7 +236,7 @@ def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence
     return batch
 
 
-def _lay_out_tokens(batch: StepBatch, slot: int, seq: SequenceRows, cursor: int, page_size: int) -> None:
+def _lay_out_tokens(batch: StepBatch, slot: int, seq: SequenceInput, cursor: int, page_size: int) -> None:
     """Token rows ``[cursor, cursor + q)`` and sequence slot ``slot``."""
     q = len(seq.token_ids)
     rows = slice(cursor, cursor + q)
@@ -349,7 +268,7 @@ def _lay_out_sampling(sampling: SamplingMetadata, slot: int, row: SamplingRow, k
     sampling.positions[slot] = kv_len
 
 
-def _lay_out_drafts(batch: StepBatch, slot: int, seq: SequenceRows, end: int, draft_row: int) -> int:
+def _lay_out_drafts(batch: StepBatch, slot: int, seq: SequenceInput, end: int, draft_row: int) -> int:
     """Draft rows of ``seq``'s proposals (its tokens end at row ``end``); returns the next free one."""
     k, spec = seq.num_drafts, batch.draft_rows
     if spec is None or draft_row + k > len(spec.tokens):

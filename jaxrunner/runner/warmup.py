@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner import kernels
+from jaxrunner.executor_protocol import NO_FEED, NO_TOKEN, SequenceInput
 from jaxrunner.runner.buckets import Bucket
 from jaxrunner.runner.memory import StartupError
-from jaxrunner.runner.sampler import NO_TOKEN
-from jaxrunner.runner.step_batch import NO_FEED, SequenceRows, StepBatch, lay_out, random_sampling_rows
+from jaxrunner.runner.step_batch import StepBatch, lay_out, random_sampling_rows
 
 
 WARMUP_MAX_CONTEXT = 256       # cached tokens before a warm-up query (one decode per batch goes up to the full width)
@@ -110,9 +110,9 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
         targets = np.where(rng.random(tokens) < 0.5, rng.integers(0, vocab_size, tokens), NO_TOKEN)
     starts = np.cumsum(q_lens) - q_lens
     return lay_out(bucket, page_size, vocab_size, [
-        SequenceRows(token_ids=query.token_ids, feed_rows=feed[start:start + q_len], kv_len=query.kv_len,
-                     pages=query.pages, prompt_targets=None if targets is None else targets[start:start + q_len],
-                     sampling=row, num_drafts=k)
+        SequenceInput(token_ids=query.token_ids, feed_rows=feed[start:start + q_len], kv_len=query.kv_len,
+                      pages=query.pages, prompt_targets=None if targets is None else targets[start:start + q_len],
+                      sampling=row, num_drafts=k)
         for query, q_len, start, row, k in zip(queries, q_lens, starts, sampling, drafts)])
 
 
