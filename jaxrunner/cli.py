@@ -13,7 +13,7 @@ import sys
 import time
 
 from jaxrunner.config import DEFAULT_MODEL, DTYPES
-from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
+from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:

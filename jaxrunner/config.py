@@ -10,7 +10,7 @@ import dataclasses
 import numbers
 import os
 
-from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
+from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

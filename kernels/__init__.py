@@ -18,16 +18,28 @@ if __name__ != "jaxrunner.kernels":
         __file__ = None
         __path__ = []
 else:
-    from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES, ATTENTION_IMPLS
-    from jaxrunner.kernels.blocks import SCRATCH_PAGE
-    from jaxrunner.kernels.capabilities import XLA_MATMULS, KernelCapabilities, MatmulKernels, capabilities
-    from jaxrunner.kernels.dispatch import choose_impl, ragged_paged_attention, resolve_impl, write_kv_and_attend
-    from jaxrunner.kernels.kv_write import write_kv_pages
-    # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
-    from jaxrunner.kernels.native import (dequantize_native, quantized_matmul_native, quantized_matmul_supported,
-                                          small_matmul_native, small_matmul_supported)
+    import importlib as _importlib
 
-    __all__ = ["SCRATCH_PAGE", "ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", "choose_impl", "ragged_paged_attention",
-               "resolve_impl", "write_kv_pages", "write_kv_and_attend", "capabilities", "KernelCapabilities",
-               "MatmulKernels", "XLA_MATMULS", "small_matmul_native", "small_matmul_supported",
-               "quantized_matmul_native", "quantized_matmul_supported", "dequantize_native"]
+    # no JAX: host-only code (the config, the CLI) reads these names
+    from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, ATTENTION_IMPLS
+
+    # the rest of the public API, each name from its module, imported (with JAX) on first use
+    _PUBLIC = {
+        "SCRATCH_PAGE": "blocks",
+        "XLA_MATMULS": "capabilities", "KernelCapabilities": "capabilities", "MatmulKernels": "capabilities",
+        "capabilities": "capabilities",
+        "choose_impl": "dispatch", "ragged_paged_attention": "dispatch", "resolve_impl": "dispatch",
+        "write_kv_and_attend": "dispatch",
+        "write_kv_pages": "kv_write",
+        # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
+        "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
+        "small_matmul_native": "native", "small_matmul_supported": "native",
+    }
+    __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", *_PUBLIC]
+
+    def __getattr__(name: str):
+        if name not in _PUBLIC:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value

@@ -15,7 +15,7 @@ from typing import Mapping
 
 import jax
 
-from jaxrunner.kernel_names import ATTENTION_IMPLS
+from jaxrunner.kernels.names import ATTENTION_IMPLS
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 XLA, NATIVE = "xla", "native"

@@ -15,7 +15,9 @@
 """
 from __future__ import annotations
 
-from jaxrunner.kernel_names import ATTENTION_IMPLS, AUTO
+import importlib
+
+from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO
 from jaxrunner.kernels.capabilities import capabilities
 from jaxrunner.kernels.native import supports as supports_head_dim
 
@@ -138,13 +140,6 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
         from jaxrunner.kernels.xla import ragged_paged_attention_xla
 
         return ragged_paged_attention_xla(*args, **kw, max_prefill_seqs=max_prefill_seqs, return_pools=return_pools)
-    if impl == "reference":
-        from jaxrunner.kernels.reference import ragged_paged_attention_reference as fn
-    elif impl == "native":
-        from jaxrunner.kernels.native import ragged_paged_attention_native as fn
-    elif impl == "jax_tpu":
-        from jaxrunner.kernels.jax_tpu import ragged_paged_attention_jax_tpu as fn
-    else:
-        from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas as fn
-    out = fn(*args, **kw)
+    module, function = ATTENTION_KERNELS[impl]
+    out = getattr(importlib.import_module(f"jaxrunner.kernels.{module}"), function)(*args, **kw)
     return (out, k_pages, v_pages) if return_pools else out

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from jaxrunner.kernel_names import ATTENTION_IMPL_CHOICES
+from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

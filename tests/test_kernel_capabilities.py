@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jaxrunner
-from jaxrunner import kernel_names, kernels
+from jaxrunner import kernels
+from jaxrunner.kernels import names as kernel_names
 from jaxrunner.kernels import native
 
 PACKAGE = pathlib.Path(jaxrunner.__file__).parent
@@ -127,7 +128,7 @@ def test_unknown_implementation_names_the_valid_ones():
 
 
 def test_config_and_names_import_without_jax():
-    code = "import sys, jaxrunner.config, jaxrunner.kernel_names; print('jax' in sys.modules)"
+    code = "import sys, jaxrunner.config, jaxrunner.kernels.names; print('jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"

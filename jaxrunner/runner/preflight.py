@@ -13,9 +13,8 @@ import math
 import jax
 import numpy as np
 
-from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
-from jaxrunner.runner.startup import default_kv_cache_dtype, model_max_len, resolve_max_model_len
+from jaxrunner.runner.startup import choose_attention, default_kv_cache_dtype, model_max_len, resolve_max_model_len
 from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading import peek_model
@@ -41,7 +40,7 @@ def check_before_loading(config: EngineConfig) -> None:
         return
     device = jax.local_devices()[0]
     dtype, _ = choose_dtype(config.dtype, peek.checkpoint_dtype, device.platform)
-    impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
+    impl, _ = choose_attention(config, device.platform, cfg)
     kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, device.platform, impl)
     tp = config.tensor_parallel_size
     budget = memory.memory_budget(device, config.memory_utilization)

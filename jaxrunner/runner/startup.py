@@ -45,6 +45,12 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     return cache_dir
 
 
+def choose_attention(config: EngineConfig, platform: str, cfg) -> tuple[str, str]:
+    """(the attention implementation this engine runs, why): the one place it is chosen, for the
+    pre-flight check, the KV pool's dtype, the runner and the start-up report alike."""
+    return kernels.choose_impl(config.attention_impl, platform, cfg.head_dim, config.page_size)
+
+
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
     """The compute dtype where ``attention_impl``'s page write updates such a pool in place
     (``kernels.capabilities``), else float32, which every write does in place. Bfloat16 on CPU
@@ -105,7 +111,8 @@ def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KV
     largest = max(plan.buckets())
     bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
     spec = dataclasses.replace(template, num_pages=provisional_num_pages(largest, bytes_per_page, room_bytes))
-    runner = ModelRunner(model.config, model.params, spec, config.attention_impl, mesh=mesh,
+    impl, _ = choose_attention(config, meshes.local_device(mesh).platform, model.config)
+    runner = ModelRunner(model.config, model.params, spec, impl, mesh=mesh,
                          max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs,
                          architecture=model.architecture)
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
@@ -152,7 +159,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
     device = meshes.local_device(mesh)
     budget = memory.memory_budget(device, config.memory_utilization)
-    impl = kernels.resolve_impl(config.attention_impl, device.platform, cfg.head_dim)
+    impl, impl_why = choose_attention(config, device.platform, cfg)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
@@ -182,7 +189,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
-    report.update(max_model_len_source=why, compilation_cache_dir=cache_dir,
+    report.update(max_model_len_source=why, compilation_cache_dir=cache_dir, attention_impl_reason=impl_why,
                   native_cpu_kernel=_native_kernel_status(device.platform),
                   persistent_cache=cache_watch.totals(),
                   startup_s=model.load_seconds + (t_end - t0),
