@@ -23,11 +23,12 @@ else:
     # no JAX: host-only code (the config, the CLI) reads these names
     from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, ATTENTION_IMPLS
 
-    # the rest of the public API, each name from its module, imported (with JAX) on first use
+    # the rest of the public API, each name from its module, imported (with JAX) on first use; no
+    # module may share a public name (importing it would bind the module over the name)
     _PUBLIC = {
         "SCRATCH_PAGE": "blocks",
-        "XLA_MATMULS": "capabilities", "KernelCapabilities": "capabilities", "MatmulKernels": "capabilities",
-        "capabilities": "capabilities",
+        "XLA_MATMULS": "platform_support", "KernelCapabilities": "platform_support",
+        "MatmulKernels": "platform_support", "capabilities": "platform_support",
         "choose_impl": "dispatch", "ragged_paged_attention": "dispatch", "resolve_impl": "dispatch",
         "write_kv_and_attend": "dispatch",
         "write_kv_pages": "kv_write",

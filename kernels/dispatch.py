@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 
 from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO
-from jaxrunner.kernels.capabilities import capabilities
+from jaxrunner.kernels.platform_support import capabilities
 from jaxrunner.kernels.native import supports as supports_head_dim
 
 

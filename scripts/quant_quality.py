@@ -79,7 +79,7 @@ def logits_fn(model):
     import jax.numpy as jnp
 
     from jaxrunner import kernels
-    from jaxrunner.models import llama
+    from jaxrunner.models.decoder import Decoder
     from jaxrunner.models.attention import DenseAttention
 
     cfg = model.config
@@ -87,9 +87,10 @@ def logits_fn(model):
 
     @jax.jit
     def run(params, ids):
-        hidden, _ = llama.forward(params, cfg, ids, jnp.arange(ids.shape[0]), [None] * cfg.num_layers,
-                                  jnp.zeros(ids.shape[0], jnp.int32), DenseAttention(), matmuls=matmuls)
-        return llama.compute_logits(params, cfg, hidden, matmuls=matmuls).astype(jnp.float32)
+        decoder = Decoder(cfg, matmuls)
+        hidden, _ = decoder.forward(params, ids, jnp.arange(ids.shape[0]), [None] * cfg.num_layers,
+                                    jnp.zeros(ids.shape[0], jnp.int32), DenseAttention())
+        return decoder.compute_logits(params, hidden).astype(jnp.float32)
 
     def logits(params, ids: list[int]) -> np.ndarray:
         padded = np.zeros(PAD_TO, np.int32)

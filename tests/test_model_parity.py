@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY_FAMILIES, build_tiny_checkpoint
 from engine_helpers import make_llm, random_prompts, token_ids
 from jaxrunner import SamplingParams, kernels
-from jaxrunner.models import llama
+from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.loading import load_model
 
@@ -25,9 +25,10 @@ def hf_logits(model_dir: str, ids: np.ndarray, dtype=torch.float32) -> np.ndarra
 def our_logits(model_dir: str, ids: np.ndarray, dtype: str, rows=None, matmuls=kernels.XLA_MATMULS) -> np.ndarray:
     loaded = load_model(model_dir, dtype, progress=False)
     cfg = loaded.config
-    hidden, _ = llama.forward(loaded.params, cfg, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
-                              jnp.zeros(len(ids), jnp.int32), DenseAttention(), rows=rows, matmuls=matmuls)
-    return np.asarray(llama.compute_logits(loaded.params, cfg, hidden, matmuls=matmuls))
+    decoder = Decoder(cfg, matmuls)
+    hidden, _ = decoder.forward(loaded.params, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
+                                jnp.zeros(len(ids), jnp.int32), DenseAttention(), rows=rows)
+    return np.asarray(decoder.compute_logits(loaded.params, hidden))
 
 
 @pytest.mark.parametrize("rows", [[0], [3, 11, 11], [11, 2]])

@@ -69,7 +69,7 @@ def test_more_devices_than_exist_fail_before_loading(tmp_path):
 
 def test_replicated_kv_heads_leave_the_model_unchanged(gqa_8_2_checkpoint):
     """TP 4 on 2 KV heads copies each KV head into 2 groups; the dense forward must not change."""
-    from jaxrunner.models import llama
+    from jaxrunner.models.decoder import Decoder
     from jaxrunner.models.attention import DenseAttention
     from jaxrunner.models.registry import config_from_hf
     from jaxrunner.models.loading.hf import load_hf_state_dict, read_hf_config
@@ -84,9 +84,9 @@ def test_replicated_kv_heads_leave_the_model_unchanged(gqa_8_2_checkpoint):
     ids = np.random.default_rng(0).integers(3, 512, 24)
 
     def logits(params, config):
-        hidden, _ = llama.forward(cast_params(params, "float32"), config, jnp.asarray(ids), jnp.arange(len(ids)),
-                                  [None] * config.num_layers, jnp.zeros(len(ids), jnp.int32), DenseAttention())
-        return np.asarray(llama.compute_logits(cast_params(params, "float32"), config, hidden))
+        hidden, _ = Decoder(config).forward(cast_params(params, "float32"), jnp.asarray(ids), jnp.arange(len(ids)),
+                                            [None] * config.num_layers, jnp.zeros(len(ids), jnp.int32), DenseAttention())
+        return np.asarray(Decoder(config).compute_logits(cast_params(params, "float32"), hidden))
 
     np.testing.assert_allclose(logits(wide_host, wide_cfg), logits(host, cfg), rtol=1e-5, atol=1e-5)
 

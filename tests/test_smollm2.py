@@ -64,7 +64,7 @@ def test_int8_quality_against_float32_on_the_real_model(smollm2):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrunner.models import llama
+    from jaxrunner.models.decoder import Decoder
     from jaxrunner.models.attention import DenseAttention
     from jaxrunner.models.quant import quantize_params_w8a8
 
@@ -73,9 +73,9 @@ def test_int8_quality_against_float32_on_the_real_model(smollm2):
     ids = jnp.asarray(smollm2.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[4]}])["prompt_token_ids"])
 
     def logits(params):
-        hidden, _ = llama.forward(params, cfg, ids, jnp.arange(len(ids)), [None] * cfg.num_layers,
-                                  jnp.zeros(len(ids), jnp.int32), DenseAttention())
-        return np.asarray(llama.compute_logits(params, cfg, hidden))
+        hidden, _ = Decoder(cfg).forward(params, ids, jnp.arange(len(ids)), [None] * cfg.num_layers,
+                                         jnp.zeros(len(ids), jnp.int32), DenseAttention())
+        return np.asarray(Decoder(cfg).compute_logits(params, hidden))
 
     exact, quantized = logits(model.params), logits(quantize_params_w8a8(model.params))
     relative_error = np.max(np.abs(quantized - exact)) / np.max(np.abs(exact))

@@ -1,4 +1,4 @@
-"""Attention callables the model is handed (see ``models.llama.forward``): ``(q, k, v, layer_cache,
+"""Attention callables the model is handed (see ``models.decoder``): ``(q, k, v, layer_cache,
 meta, *, sm_scale, sliding_window=None, soft_cap=None) -> (out, layer_cache)``; a family passes its
 per-layer window and attention-logit cap (``cap * tanh(s / cap)``) through them to the kernels.
 

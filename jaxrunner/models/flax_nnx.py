@@ -77,7 +77,7 @@ class NnxArchitecture:
         return nnx.merge(self.graphdef, params)
 
     def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None, all_rows=None):
-        """As ``models.llama.forward``: ``meta`` (the step's ``AttentionMetadata``) reaches the
+        """As ``models.decoder.Decoder.forward``: ``meta`` (the step's ``AttentionMetadata``) reaches the
         paged attention through each layer's ``attend``; with ``all_rows`` (a traced bool, with
         ``rows``) a third result holds every row's final hidden state when it holds (zeros when not)."""
         module = self._module(params)

@@ -1,6 +1,6 @@
 """Gemma 2: Llama's attention and gated MLP rearranged, with Gemma's quirks.
 
-- RMSNorm scaled by ``1 + w`` (``blocks.offset_rms_norm``), and four norms per layer: before and
+- RMSNorm scaled by ``1 + w`` (``layers.offset_rms_norm``), and four norms per layer: before and
   after attention, before and after the MLP (the "post" norms act on the block's output, before
   the residual add).
 - the embedding scaled by ``sqrt(hidden_size)`` (rounded to the activations' dtype, as HF does).
@@ -16,9 +16,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxrunner import kernels
-from jaxrunner.models import blocks, llama, registry
+from jaxrunner.models import layers, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields, rope_scaling
+from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.params import build_decoder_params, decoder_shapes, take
 from jaxrunner.parallel import sharding
 
@@ -76,52 +76,50 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> GemmaConfig:
     return GemmaConfig(**gemma_fields(cfg, source, default_pattern=2), rope_scaling=rope_scaling(cfg, source))
 
 
-# ----------------------------------------------------------------------------- forward
-def _layer(layer, x, rope, window, layer_cache, meta, cfg: GemmaConfig, attention, rows, matmuls):
-    norm, eps = blocks.offset_rms_norm, cfg.rms_norm_eps
-    qkv = blocks.project_qkv(layer, norm(x, layer["attn_norm"], eps), cfg, matmuls)
-    if "q_norm" in layer:  # Gemma 3
-        qkv = blocks.norm_qk(qkv, layer["q_norm"], layer["k_norm"], eps, norm=norm)
-    out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, *rope), layer_cache, meta, cfg, attention,
-                                     sm_scale=cfg.query_pre_attn_scalar ** -0.5, sliding_window=window,
-                                     soft_cap=cfg.attn_logit_softcap)
-    x, out = blocks.take_rows(rows, x, out)
-    x = x + norm(llama.linear(out.astype(x.dtype), layer["wo"], matmuls), layer["post_attn_norm"], eps)
-    h = blocks.gated_mlp(layer, norm(x, layer["mlp_norm"], eps), cfg, blocks.gelu_tanh, matmuls)
-    return x + norm(h, layer["post_mlp_norm"], eps), layer_cache
-
-
-def forward(params, cfg: GemmaConfig, token_ids, positions, kv_cache, meta, attention, rows=None, *,
-            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
-    """As ``llama.forward``; sliding layers use ``local_rope_theta`` where the config has one."""
-    x = jnp.take(params["embed"], token_ids, axis=0)
-    x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
-    global_rope = blocks.rope_tables(cfg, positions)
-    local_rope = global_rope if cfg.local_rope_theta is None else blocks.rope_tables(
-        cfg, positions, theta=cfg.local_rope_theta, scaling=())
-    new_cache, last = [], len(params["layers"]) - 1
-    for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        window = cfg.layer_sliding_window(i)
-        x, layer_cache = _layer(layer, x, global_rope if window is None else local_rope, window, layer_cache, meta,
-                                cfg, attention, rows if i == last else None, matmuls)
-        new_cache.append(layer_cache)
-    return blocks.offset_rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
-
-
-def compute_logits(params, cfg: GemmaConfig, hidden, *, matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
-    return blocks.soft_cap(llama.compute_logits(params, cfg, hidden, matmuls=matmuls), cfg.final_logit_softcap)
-
-
+# ----------------------------------------------------------------------------- layer
 @dataclasses.dataclass(frozen=True)
-class GemmaArchitecture:
-    cfg: GemmaConfig
-    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
+class GemmaDecoder(Decoder):
+    """Gemma 2 and 3: the decoder with Gemma's norms, scales, caps and per-layer windows; sliding
+    layers use ``local_rope_theta`` where the config has one (Gemma 3)."""
 
-    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
+    def embed(self, params, token_ids):
+        x = layers.embedding_rows(params, token_ids)
+        return x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
 
-    def compute_logits(self, params, hidden):
-        return compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
+    def norm(self, x, weight):
+        return layers.offset_rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def context(self, positions, meta, num_rows: int) -> dict:
+        rope = layers.rope_tables(self.cfg, positions)
+        local = rope if self.cfg.local_rope_theta is None else layers.rope_tables(
+            self.cfg, positions, theta=self.cfg.local_rope_theta, scaling=())
+        return {"rope": rope, "local_rope": local}
+
+    def kind(self, index: int):
+        return self.cfg.layer_sliding_window(index)
+
+    def rope(self, context: dict, kind):
+        return context["rope"] if kind is None else context["local_rope"]
+
+    def qkv(self, layer, x):
+        qkv = super().qkv(layer, x)
+        if "q_norm" in layer:  # Gemma 3
+            qkv = layers.norm_qk(qkv, layer["q_norm"], layer["k_norm"], self.cfg.rms_norm_eps,
+                                 norm=layers.offset_rms_norm)
+        return qkv
+
+    def attend(self, layer, x, context: dict, kind, layer_cache, meta, attention):
+        q, k, v = layers.split_rotated(self.qkv(layer, x), *self.rope(context, kind), self.cfg.num_heads)
+        return layers.attend(q, k, v, layer_cache, meta, attention, sm_scale=self.cfg.query_pre_attn_scalar ** -0.5,
+                             sliding_window=kind, soft_cap=self.cfg.attn_logit_softcap)
+
+    def finish(self, layer, x, attended, context: dict, attention, rows=None, probe=None):
+        x = x + self.norm(layers.linear(attended.astype(x.dtype), layer["wo"], self.matmuls), layer["post_attn_norm"])
+        h = layers.gated_mlp(layer, self.norm(x, layer["mlp_norm"]), self.cfg, layers.gelu_tanh, self.matmuls)
+        return x + self.norm(h, layer["post_mlp_norm"])
+
+    def logits(self, params, hidden):
+        return layers.soft_cap(super().logits(params, hidden), self.cfg.final_logit_softcap)
 
 
 # ----------------------------------------------------------------------------- params
@@ -129,14 +127,14 @@ NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layer
          "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
 
-def _layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict:
+def layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict:
     p = f"model.layers.{i}."
     norms = {leaf: take(state, p + hf + ".weight", (cfg.hidden_size,), source) for leaf, hf in NORMS.items()}
     return {**norms, **llama.attention_params(state, cfg, p, source), **llama.mlp_params(state, cfg, p, source)}
 
 
 def build_params(state, cfg: ModelConfig, place, source: str = "checkpoint", progress: bool = False) -> dict:
-    return build_decoder_params(state, cfg, place, source, progress, _layer_params)
+    return build_decoder_params(state, cfg, place, source, progress, layer_params)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -153,7 +151,7 @@ FAMILY = registry.register(registry.ModelFamily(
     architectures=("Gemma2ForCausalLM",),
     model_types=("gemma2",),
     config_from_hf=config_from_hf,
-    architecture=GemmaArchitecture,
+    architecture=GemmaDecoder,
     build_params=build_params,
     param_shapes=param_shapes,
     partition_rules=partition_rules,

@@ -1,8 +1,8 @@
 """Gemma 3 (text): Gemma 2's layer plus a ``1 + w`` RMSNorm over each query and key head, two RoPE
 bases (sliding layers ``rope_local_base_freq``, unscaled; global layers ``rope_theta`` with the
 checkpoint's scaling), and five sliding layers to one global (``layer_types`` or
-``sliding_window_pattern``). The forward is ``gemma2.forward``: it sees the q/k norms in the params
-and the local base in the config.
+``sliding_window_pattern``). The layer is ``gemma2.GemmaDecoder``'s: it sees the q/k norms in the
+params and the local base in the config.
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> gemma2.GemmaConfig
                               rope_scaling=rope_scaling(cfg, source), local_rope_theta=_local_rope_theta(cfg))
 
 
-def _layer_params(state, cfg, i: int, source: str) -> dict:
+def layer_params(state, cfg, i: int, source: str) -> dict:
     p = f"model.layers.{i}.self_attn."
-    return {**gemma2._layer_params(state, cfg, i, source),
+    return {**gemma2.layer_params(state, cfg, i, source),
             "q_norm": take(state, p + "q_norm.weight", (cfg.head_dim,), source),
             "k_norm": take(state, p + "k_norm.weight", (cfg.head_dim,), source)}
 
 
 def build_params(state, cfg, place, source: str = "checkpoint", progress: bool = False) -> dict:
-    return build_decoder_params(state, cfg, place, source, progress, _layer_params)
+    return build_decoder_params(state, cfg, place, source, progress, layer_params)
 
 
 def param_shapes(cfg) -> dict:
@@ -55,7 +55,7 @@ FAMILY = registry.register(registry.ModelFamily(
     architectures=("Gemma3ForCausalLM",),
     model_types=("gemma3_text",),
     config_from_hf=config_from_hf,
-    architecture=gemma2.GemmaArchitecture,
+    architecture=gemma2.GemmaDecoder,
     build_params=build_params,
     param_shapes=param_shapes,
     partition_rules=partition_rules,

@@ -1,7 +1,7 @@
 """A decoder whose every MLP is a sparse mixture of experts (``models.moe``): what Mixtral and
-Qwen3-MoE share — their config fields, forward, expert params, partition rules.
+Qwen3-MoE share — their config fields, layer, expert params, partition rules.
 
-Attention is the Llama family's (fused, KV-grouped q/k/v; rotate-half RoPE; ``models.blocks``), with
+Attention is the Llama family's (fused, KV-grouped q/k/v; rotate-half RoPE; ``models.layers``), with
 Qwen3's RMSNorm per head on q and k where the config says ``qk_norm``. Experts are split over the mesh's
 ``"model"`` axis (expert parallelism) while attention keeps its heads split (tensor parallelism);
 the forward learns the mesh from the attention callable it is handed (``PagedAttention.mesh``).
@@ -15,13 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxrunner import kernels
-from jaxrunner.models import blocks, moe
+from jaxrunner.models import layers, moe
 from jaxrunner.models.attention import AttentionMetadata, DenseAttention
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError
-from jaxrunner.models.llama import compute_logits, rms_norm, rope_tables
+from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.params import decoder_shapes, take
-from jaxrunner.models.linear import linear
 from jaxrunner.parallel import sharding
 from jaxrunner.parallel.mesh import MODEL_AXIS
 
@@ -47,69 +45,45 @@ def check_experts(cfg: MoEConfig, source: str) -> None:
 
 
 # ----------------------------------------------------------------------------- forward
-def _attention_block(layer, x, cos, sin, layer_cache, meta, cfg: MoEConfig, attention, rows, matmuls):
-    """Llama's attention, with Qwen3's per-head q/k RMSNorm before RoPE when the config has it."""
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = blocks.project_qkv(layer, h, cfg, matmuls)
-    if cfg.qk_norm:
-        qkv = blocks.norm_qk(qkv, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
-    out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, cos, sin), layer_cache, meta, cfg, attention,
-                                     sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
-    x, out = blocks.take_rows(rows, x, out)
-    return x + linear(out.astype(x.dtype), layer["wo"], matmuls), layer_cache
-
-
 def token_mask(meta, num_rows: int):
     """[T] true for the rows that are tokens of the step's sequences; None (every row is) for the
     dense reference, whose ``meta`` is the tokens' segment ids."""
     return meta.token_mask(num_rows) if isinstance(meta, AttentionMetadata) else None
 
 
-def forward(params, cfg: MoEConfig, token_ids, positions, kv_cache, meta, attention, rows=None, loads=None, *,
-            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
-    """As ``models.llama.forward``, with MoE MLPs. ``loads``: a list that receives each layer's
-    expert counts [E] (the start-up report's probe; the served step passes none)."""
-    x = jnp.take(params["embed"], token_ids, axis=0)
-    cos, sin = rope_tables(cfg, positions)
-    valid = token_mask(meta, x.shape[0])
-    mesh = getattr(attention, "mesh", None)
-    new_cache = []
-    last = len(params["layers"]) - 1
-    for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        layer_rows = rows if i == last else None
-        x, layer_cache = _attention_block(layer, x, cos, sin, layer_cache, meta, cfg, attention, layer_rows, matmuls)
-        row_valid = valid if valid is None or layer_rows is None else jnp.take(valid, layer_rows)
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        if loads is not None:
-            loads.append(moe.expert_counts(h, layer["router"], cfg.moe_spec, row_valid))
-        x = x + moe.moe_mlp(h, layer["router"], layer["experts_gate_up"], layer["experts_down"], cfg.moe_spec,
-                            valid=row_valid, mesh=mesh)
-        new_cache.append(layer_cache)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
-
-
 @dataclasses.dataclass(frozen=True)
-class MoEArchitecture:
-    """The MoE decoder's functions the runner calls, bound to one config."""
+class MoEDecoder(Decoder):
+    """Llama's attention (with per-head q/k norms where ``qk_norm``) and a mixture-of-experts MLP."""
 
-    cfg: MoEConfig
-    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
+    def context(self, positions, meta, num_rows: int) -> dict:
+        return {**super().context(positions, meta, num_rows), "valid": token_mask(meta, num_rows)}
 
-    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
+    def qkv(self, layer, x):
+        qkv = super().qkv(layer, x)
+        if self.cfg.qk_norm:
+            qkv = layers.norm_qk(qkv, layer["q_norm"], layer["k_norm"], self.cfg.rms_norm_eps)
+        return qkv
 
-    def compute_logits(self, params, hidden):
-        return compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
+    def finish(self, layer, x, attended, context: dict, attention, rows=None, probe=None):
+        """``probe``: a list that receives the layer's expert counts [E] (the start-up report's)."""
+        x = x + layers.linear(attended.astype(x.dtype), layer["wo"], self.matmuls)
+        valid = context["valid"]
+        if valid is not None and rows is not None:
+            valid = jnp.take(valid, rows)
+        h = self.norm(x, layer["mlp_norm"])
+        if probe is not None:
+            probe.append(moe.expert_counts(h, layer["router"], self.cfg.moe_spec, valid))
+        return x + moe.moe_mlp(h, layer["router"], layer["experts_gate_up"], layer["experts_down"], self.cfg.moe_spec,
+                               valid=valid, mesh=getattr(attention, "mesh", None))
 
     def expert_load(self, params, token_ids, positions, segment_ids, num_tokens):
         """Expert counts [layers, E] of the first ``num_tokens`` rows (the rest are padding), with
         attention inside each segment and no cache: how a batch's tokens spread over the experts
         (the start-up report's probe)."""
         loads = []
-        cache = [None] * self.cfg.num_layers
         meta = _live_rows_metadata(token_ids.shape[0], num_tokens)
-        attention = _SegmentAttention(segment_ids)
-        forward(params, self.cfg, token_ids, positions, cache, meta, attention, None, loads, matmuls=self.matmuls)
+        self.forward(params, token_ids, positions, [None] * self.cfg.num_layers, meta, _SegmentAttention(segment_ids),
+                     probe=loads)
         return jnp.stack(loads)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.llama import apply_rope, rms_norm, rope_tables
+from jaxrunner.models.layers import apply_rope, rms_norm, rope_tables
 
 
 def _param(array, dtype) -> nnx.Param:

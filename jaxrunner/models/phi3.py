@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner import kernels
-from jaxrunner.models import blocks, llama, registry
+from jaxrunner.models import layers, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields
+from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.params import build_decoder_params, group_qkv, take
 
 
@@ -83,7 +82,7 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> Phi3Config:
 def rope_tables(cfg: Phi3Config, positions):
     """cos and sin [T, rotary_dim]; with long-RoPE, the short factors and the attention factor."""
     if cfg.rope_short_factor is None:
-        return blocks.rope_tables(cfg, positions, rotary_dim=cfg.rotary_dim)
+        return layers.rope_tables(cfg, positions, rotary_dim=cfg.rotary_dim)
     exponents = np.arange(0, cfg.rotary_dim, 2).astype(np.float32) / np.float32(cfg.rotary_dim)
     inv_freq = np.float32(1.0) / (np.asarray(cfg.rope_short_factor, np.float32)
                                   * np.power(np.float32(cfg.rope_theta), exponents))
@@ -92,41 +91,15 @@ def rope_tables(cfg: Phi3Config, positions):
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
-def _layer(layer, x, rope, layer_cache, meta, cfg: Phi3Config, attention, rows, matmuls):
-    h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = blocks.rotate_qk(blocks.project_qkv(layer, h, cfg, matmuls), *rope)
-    out, layer_cache = blocks.attend(qkv, layer_cache, meta, cfg, attention, sm_scale=cfg.head_dim ** -0.5,
-                                     sliding_window=cfg.sliding_window)
-    x, out = blocks.take_rows(rows, x, out)
-    x = x + llama.linear(out.astype(x.dtype), layer["wo"], matmuls)
-    h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu, matmuls), layer_cache
-
-
-def forward(params, cfg: Phi3Config, token_ids, positions, kv_cache, meta, attention, rows=None, *,
-            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
-    x = jnp.take(params["embed"], token_ids, axis=0)
-    rope = rope_tables(cfg, positions)
-    new_cache, last = [], len(params["layers"]) - 1
-    for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        x, layer_cache = _layer(layer, x, rope, layer_cache, meta, cfg, attention, rows if i == last else None, matmuls)
-        new_cache.append(layer_cache)
-    return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
-
-
 @dataclasses.dataclass(frozen=True)
-class Phi3Architecture:
-    cfg: Phi3Config
-    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
+class Phi3Decoder(Decoder):
+    """Llama's layer over partial (and long) RoPE tables."""
 
-    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
-
-    def compute_logits(self, params, hidden):
-        return llama.compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
+    def context(self, positions, meta, num_rows: int) -> dict:
+        return {"rope": rope_tables(self.cfg, positions)}
 
 
-def _layer_params(state, cfg: Phi3Config, i: int, source: str) -> dict:
+def layer_params(state, cfg: Phi3Config, i: int, source: str) -> dict:
     d, inter, p = cfg.hidden_size, cfg.intermediate_size, f"model.layers.{i}."
     qkv = take(state, p + "self_attn.qkv_proj.weight", (cfg.q_size + 2 * cfg.kv_size, d), source)
     q, k, v = np.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size])
@@ -140,7 +113,7 @@ def _layer_params(state, cfg: Phi3Config, i: int, source: str) -> dict:
 
 
 def build_params(state, cfg: Phi3Config, place, source: str = "checkpoint", progress: bool = False) -> dict:
-    return build_decoder_params(state, cfg, place, source, progress, _layer_params)
+    return build_decoder_params(state, cfg, place, source, progress, layer_params)
 
 
 FAMILY = registry.register(registry.ModelFamily(
@@ -148,7 +121,7 @@ FAMILY = registry.register(registry.ModelFamily(
     architectures=("Phi3ForCausalLM",),
     model_types=("phi3",),
     config_from_hf=config_from_hf,
-    architecture=Phi3Architecture,
+    architecture=Phi3Decoder,
     build_params=build_params,
     param_shapes=llama.param_shapes,
     partition_rules=llama.partition_rules,

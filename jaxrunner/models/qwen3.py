@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-
-from jaxrunner import kernels
-from jaxrunner.models import blocks, llama, registry
+from jaxrunner.models import layers, llama, registry
 from jaxrunner.models.config import ModelConfig, UnsupportedModelError, check_activation, common_fields, rope_scaling
+from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.params import build_decoder_params, take
 from jaxrunner.parallel import sharding
 
@@ -27,52 +24,24 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     return ModelConfig(**common_fields(cfg, source), rope_scaling=rope_scaling(cfg, source))
 
 
-def _layer(layer, x, cos, sin, layer_cache, meta, cfg: ModelConfig, attention, rows, matmuls):
-    h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = blocks.norm_qk(blocks.project_qkv(layer, h, cfg, matmuls), layer["q_norm"], layer["k_norm"],
-                         cfg.rms_norm_eps)
-    out, layer_cache = blocks.attend(blocks.rotate_qk(qkv, cos, sin), layer_cache, meta, cfg, attention,
-                                     sm_scale=cfg.head_dim ** -0.5, sliding_window=None)
-    x, out = blocks.take_rows(rows, x, out)
-    x = x + llama.linear(out.astype(x.dtype), layer["wo"], matmuls)
-    h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + blocks.gated_mlp(layer, h, cfg, jax.nn.silu, matmuls), layer_cache
-
-
-def forward(params, cfg: ModelConfig, token_ids, positions, kv_cache, meta, attention, rows=None, *,
-            matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS):
-    x = jnp.take(params["embed"], token_ids, axis=0)
-    cos, sin = blocks.rope_tables(cfg, positions)
-    new_cache, last = [], len(params["layers"]) - 1
-    for i, (layer, layer_cache) in enumerate(zip(params["layers"], kv_cache)):
-        x, layer_cache = _layer(layer, x, cos, sin, layer_cache, meta, cfg, attention, rows if i == last else None,
-                                matmuls)
-        new_cache.append(layer_cache)
-    return llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
-
-
 @dataclasses.dataclass(frozen=True)
-class Qwen3Architecture:
-    cfg: ModelConfig
-    matmuls: kernels.MatmulKernels = kernels.XLA_MATMULS
+class Qwen3Decoder(Decoder):
+    """Llama's layer with a per-head RMSNorm over q and k before RoPE."""
 
-    def forward(self, params, token_ids, positions, kv_cache, meta, attention, rows=None):
-        return forward(params, self.cfg, token_ids, positions, kv_cache, meta, attention, rows, matmuls=self.matmuls)
-
-    def compute_logits(self, params, hidden):
-        return llama.compute_logits(params, self.cfg, hidden, matmuls=self.matmuls)
+    def qkv(self, layer, x):
+        return layers.norm_qk(super().qkv(layer, x), layer["q_norm"], layer["k_norm"], self.cfg.rms_norm_eps)
 
 
-def _layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict:
+def layer_params(state, cfg: ModelConfig, i: int, source: str) -> dict:
     p = f"model.layers.{i}."
-    layer = llama._layer_params(state, cfg, i, source)
+    layer = llama.layer_params(state, cfg, i, source)
     layer["q_norm"] = take(state, p + "self_attn.q_norm.weight", (cfg.head_dim,), source)
     layer["k_norm"] = take(state, p + "self_attn.k_norm.weight", (cfg.head_dim,), source)
     return layer
 
 
 def build_params(state, cfg: ModelConfig, place, source: str = "checkpoint", progress: bool = False) -> dict:
-    return build_decoder_params(state, cfg, place, source, progress, _layer_params)
+    return build_decoder_params(state, cfg, place, source, progress, layer_params)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -91,7 +60,7 @@ FAMILY = registry.register(registry.ModelFamily(
     architectures=("Qwen3ForCausalLM",),
     model_types=("qwen3",),
     config_from_hf=config_from_hf,
-    architecture=Qwen3Architecture,
+    architecture=Qwen3Decoder,
     build_params=build_params,
     param_shapes=param_shapes,
     partition_rules=partition_rules,
