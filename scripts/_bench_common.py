@@ -316,7 +316,7 @@ def device_info() -> dict:
         info["cpu_affinity"] = len(os.sched_getaffinity(0))
     except AttributeError:
         pass
-    from jaxrunner.runner.precision import cpu_flags
+    from jaxrunner.models.loading.precision import cpu_flags
 
     # speeds differ most by these (bf16 dots, AMX tiles): results of two machines compare only with them
     info["cpu_features"] = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",

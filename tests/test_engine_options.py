@@ -18,7 +18,7 @@ from engine_helpers import TINY_ENGINE, make_llm
 
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.config import EngineConfig
-from jaxrunner.runner.precision import choose_dtype, cpu_has_native_bf16
+from jaxrunner.models.loading.precision import choose_dtype, cpu_has_native_bf16
 
 
 # ----------------------------------------------------------------------------- values alone

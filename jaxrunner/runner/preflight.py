@@ -18,10 +18,10 @@ from jaxrunner.runner.startup import choose_attention, default_kv_cache_dtype, m
 from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading import peek_model
+from jaxrunner.models.loading.precision import choose_dtype
 from jaxrunner.parallel import distributed, mesh as meshes
 from jaxrunner.runner import memory
 from jaxrunner.runner.model_runner import KVCacheSpec
-from jaxrunner.runner.precision import choose_dtype
 
 
 def check_before_loading(config: EngineConfig) -> None:

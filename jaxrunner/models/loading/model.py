@@ -14,6 +14,7 @@ from typing import Mapping
 
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.registry import config_from_hf
+from jaxrunner.models.loading.precision import choose_dtype
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
 from jaxrunner.models.params import build_params, cast_params, params_count, params_nbytes
 
@@ -115,8 +116,6 @@ def _gguf_dtype(tensor_types: dict[str, str]) -> str:
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str) -> tuple[str, str]:
     """(compute dtype, why), logged: ``"auto"`` and ``"float16"`` depend on the device."""
-    from jaxrunner.runner.precision import choose_dtype
-
     dtype, why = choose_dtype(requested, checkpoint_dtype, platform)
     if requested in ("auto", dtype):
         logger.info("dtype %s: %s", dtype, why)
@@ -228,7 +227,7 @@ def _restore_sharded(source: ModelSource, cfg: ModelConfig, dtype: str, mesh):
 
 
 def load_model(model: str, dtype: str = "float32", progress: bool = True, mesh=None) -> LoadedModel:
-    """Load ``model`` as ``dtype`` ("auto": see ``runner/precision.py``); with ``mesh``
+    """Load ``model`` as ``dtype`` ("auto": see ``models/loading/precision.py``); with ``mesh``
     (``("data", "model")`` axes, one data row), shard it."""
     start = time.perf_counter()
     source, reason = resolve_model(model), "requested"
