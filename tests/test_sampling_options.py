@@ -208,3 +208,38 @@ def test_prompt_logprobs_survive_preemption(llm, tiny_checkpoints):
             for token, value in entry.items():
                 assert value.logprob == pytest.approx(reference[token].logprob, abs=1e-4)
                 assert value.rank == reference[token].rank
+
+
+# A request value for every SamplingParams field (a new field must be added here and to the server's
+# request models, or this fails): the server cannot silently drop an option the engine has.
+_HTTP_VALUES = {
+    "n": 1, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1,
+    "presence_penalty": 0.3, "frequency_penalty": 0.2, "seed": 11, "max_tokens": 5, "min_tokens": 2,
+    "stop": ["xyz"], "stop_token_ids": [3], "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1,
+    "skip_special_tokens": False, "include_stop_str_in_output": True, "logit_bias": {"5": 1.5},
+    "allowed_token_ids": [4, 5, 6], "bad_words": ["no"], "structured_outputs": {"regex": "[a-z]+"},
+    "truncate_prompt_tokens": 8,
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_sampling_option_reaches_the_engine_over_http(endpoint):
+    import dataclasses
+
+    from jaxrunner.entrypoints.openai import protocol
+
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert sorted(_HTTP_VALUES) == sorted(fields)
+    body = {k: v for k, v in _HTTP_VALUES.items() if k not in ("logprobs", "max_tokens")}
+    if endpoint == "chat":
+        request = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+    else:
+        request = protocol.CompletionRequest(prompt="hi", **body)
+    params = protocol.sampling_params(request, max_tokens=5, logprobs=2, max_model_len=64)
+    expected = dict(_HTTP_VALUES, logit_bias={5: 1.5})
+    for name in fields:
+        value = getattr(params, name)
+        if name == "structured_outputs":
+            assert value.regex == "[a-z]+"
+        else:
+            assert value == expected[name], name

@@ -128,3 +128,34 @@ def test_layout_refuses_what_does_not_fit():
     with pytest.raises(RuntimeError, match="logit_bias_ids: 65 entries"):
         lay_out(PLAIN, PAGE_SIZE, VOCAB, [dataclasses.replace(rows, num_drafts=0,
                                                        sampling=SamplingRow(logit_bias_ids=list(range(65))))])
+
+
+def test_the_sampling_columns_table_rules_the_metadata_and_the_rows():
+    """One table names every sampling column, its dtype, width and "off" value: the metadata's
+    fields, its padding rows and the engine's SamplingRow defaults all agree with it."""
+    from jaxrunner.runner.step_batch import SAMPLING_COLUMNS
+
+    assert [f.name for f in dataclasses.fields(SamplingMetadata)] == [*SAMPLING_COLUMNS, "draft_tokens"]
+    assert {f.name for f in dataclasses.fields(SamplingRow)} == set(SAMPLING_COLUMNS) - {"positions"}
+    row, empty = SamplingRow(), SamplingMetadata.empty(2, 16, VOCAB)
+    for name, (dtype, width, off) in SAMPLING_COLUMNS.items():
+        column = getattr(empty, name)
+        assert column.dtype == dtype and column.shape[0] == 2 and np.all(column == np.asarray(off, dtype)), name
+        if name != "positions":
+            default = getattr(row, name)
+            assert (default == off) if width is None else len(default) == 0, name
+
+
+def test_warm_up_turns_every_sampling_option_on():
+    """Across warm-up's random rows every column leaves its "off" value somewhere, so every branch
+    of the sampler is compiled and run before serving."""
+    from jaxrunner.runner.step_batch import SAMPLING_COLUMNS
+
+    seen = set()
+    for seed in range(20):
+        batch = random_dummy_batch(jax.random.key(seed), PLAIN, PAGE_SIZE, 64, VOCAB, 32)
+        for name, (dtype, _, off) in SAMPLING_COLUMNS.items():
+            live = getattr(batch.sampling, name)[:batch.num_seqs]
+            if np.any(live != np.asarray(off, dtype)):
+                seen.add(name)
+    assert seen == set(SAMPLING_COLUMNS)

@@ -58,9 +58,34 @@ def _pytree(*data_fields: str):
 # ----------------------------------------------------------------------------- the batch
 # Shapes: T token rows, S sequence slots, W page-table columns (a bucket's), H = W * page_size
 # history columns, R draft rows.
-@_pytree("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-         "seeds", "seeds_high", "positions", "history", "prompt_lens", "banned", "allowed_token_ids",
-         "logit_bias_ids", "logit_bias_values", "num_logprobs", "token_bitmask", "draft_tokens")
+#
+# The sampling columns, in one table: (dtype, width per row (None: one value), the value that turns
+# the option off). ``SamplingMetadata`` has one field of each name (and ``draft_tokens``) and builds
+# its padding rows from it; ``SamplingRow`` (executor_protocol) has a field of each name but
+# ``positions`` (set by the layout), defaulting to the same "off" (a test holds the three together).
+SAMPLING_COLUMNS = {
+    "temperature": (np.float32, None, 0.0),
+    "top_k": (np.int32, None, 0),
+    "top_p": (np.float32, None, 1.0),
+    "min_p": (np.float32, None, 0.0),
+    "repetition_penalty": (np.float32, None, 1.0),
+    "presence_penalty": (np.float32, None, 0.0),
+    "frequency_penalty": (np.float32, None, 0.0),
+    "seeds": (np.uint32, None, 0),
+    "seeds_high": (np.uint32, None, 0),
+    "positions": (np.int32, None, 0),
+    "history": (np.int32, "history", NO_TOKEN),
+    "prompt_lens": (np.int32, None, 0),
+    "banned": (np.int32, "banned", NO_TOKEN),
+    "allowed_token_ids": (np.int32, "allowed", NO_TOKEN),
+    "logit_bias_ids": (np.int32, "bias", NO_TOKEN),
+    "logit_bias_values": (np.float32, "bias", 0.0),
+    "num_logprobs": (np.int32, None, NO_LOGPROBS),
+    "token_bitmask": (np.int32, "bitmask", FREE_ROW),
+}
+
+
+@_pytree(*SAMPLING_COLUMNS, "draft_tokens")
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
     """Each sampled row's settings (``runner.sampler.sample``). A padding row's values turn every
@@ -90,26 +115,12 @@ class SamplingMetadata:
 
     @classmethod
     def empty(cls, rows: int, history_width: int, vocab_size: int) -> SamplingMetadata:
-        return cls(
-            temperature=np.zeros(rows, np.float32),
-            top_k=np.zeros(rows, np.int32),
-            top_p=np.ones(rows, np.float32),
-            min_p=np.zeros(rows, np.float32),
-            repetition_penalty=np.ones(rows, np.float32),
-            presence_penalty=np.zeros(rows, np.float32),
-            frequency_penalty=np.zeros(rows, np.float32),
-            seeds=np.zeros(rows, np.uint32),
-            seeds_high=np.zeros(rows, np.uint32),
-            positions=np.zeros(rows, np.int32),
-            history=np.full((rows, history_width), NO_TOKEN, np.int32),
-            prompt_lens=np.zeros(rows, np.int32),
-            banned=np.full((rows, MAX_BANNED_TOKENS), NO_TOKEN, np.int32),
-            allowed_token_ids=np.full((rows, MAX_ALLOWED_TOKEN_IDS), NO_TOKEN, np.int32),
-            logit_bias_ids=np.full((rows, MAX_LOGIT_BIAS), NO_TOKEN, np.int32),
-            logit_bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
-            num_logprobs=np.full(rows, NO_LOGPROBS, np.int32),
-            token_bitmask=np.full((rows, bitmask_words(vocab_size)), FREE_ROW, np.int32),
-        )
+        """``rows`` padding rows: every column at its "off" value (``SAMPLING_COLUMNS``)."""
+        widths = {None: (), "history": (history_width,), "banned": (MAX_BANNED_TOKENS,),
+                  "allowed": (MAX_ALLOWED_TOKEN_IDS,), "bias": (MAX_LOGIT_BIAS,),
+                  "bitmask": (bitmask_words(vocab_size),)}
+        return cls(**{name: np.full((rows, *widths[width]), off, dtype)
+                      for name, (dtype, width, off) in SAMPLING_COLUMNS.items()})
 
 
 @_pytree("logits_indices", "seqs", "positions", "tokens", "token_bitmask")
