@@ -127,6 +127,18 @@ class SampledRows:
 
 
 # ----------------------------------------------------------------------------- the protocol
+class Proposer(Protocol):
+    """Speculative decoding's guesser: n-gram lookup on the host (``engine.spec_decode``), or a
+    draft model the runner runs (``runner.draft_proposer``)."""
+
+    def propose_many(self, queries: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        """For each ``(request_id, token_ids, limit)``: at most ``limit`` tokens guessed to follow
+        ``token_ids`` (the request's prompt and outputs); an empty list for no guess."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what the proposer keeps for it."""
+
+
 class StepHandle(Protocol):
     """A dispatched step, possibly still running on the devices."""
 
@@ -136,7 +148,7 @@ class StepHandle(Protocol):
 class Executor(Protocol):
     """What the engine asks of the runner side (one mesh row)."""
 
-    model: Any                       # the served model (opaque here: config, tokenizer, params)
+    model: Any                       # the served model, opaque to the engine (front ends read its config)
     tokenizer: Any                   # a transformers-style tokenizer, or None
     vocab_size: int
     eos_token_ids: tuple[int, ...]   # the model's EOS ids and the tokenizer's
@@ -144,7 +156,7 @@ class Executor(Protocol):
     page_size: int
     num_pages: int
     max_num_spec_seqs: int           # sequences with proposals one step can verify
-    draft_proposer: Any              # a spec_decode.Proposer running a draft model, or None
+    draft_proposer: Proposer | None  # speculative decoding with a draft model (run by the runner)
     limits: SamplingLimits
     synchronous: bool                # several processes drive one mesh: steps must not overlap
     startup_report: dict

@@ -159,7 +159,7 @@ def _back_off(request: Request) -> None:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None, proposer=None):
-        """``proposer``: an ``engine.spec_decode.Proposer``, or None for no speculative decoding."""
+        """``proposer``: an ``executor_protocol.Proposer``, or None for no speculative decoding."""
         if allocator is None:
             allocator = PageAllocator(config.num_pages, config.page_size,
                                       config.enable_prefix_caching)

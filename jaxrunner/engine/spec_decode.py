@@ -5,7 +5,8 @@ one step (a chunk of 1 + k query tokens, see ``Scheduler`` and ``runner.batch``)
 keeps the target distribution exactly (``runner.sampler``: greedy rows accept while the guess is
 the argmax, sampled rows by rejection sampling). So a wrong guess costs only the extra query rows.
 
-The scheduler asks once per step for every decode that may speculate (``Proposer.propose_many``),
+The scheduler asks once per step for every decode that may speculate (``Proposer.propose_many``;
+the protocol is in ``jaxrunner/executor_protocol.py``, since the runner's draft model implements it),
 so that a draft model (``runner.draft_proposer``, on the runner side: it runs a model) proposes
 for all of them in one batch.
 
@@ -17,7 +18,7 @@ prompt, editing code, lists) is where this pays.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -25,15 +26,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 # The lookup scans at most this many of the most recent tokens: its cost per step stays bounded
 # however long the request grows.
 MAX_LOOKBACK_TOKENS = 2048
-
-
-class Proposer(Protocol):
-    def propose_many(self, queries: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
-        """For each ``(request_id, token_ids, limit)``: at most ``limit`` tokens guessed to follow
-        ``token_ids`` (the request's prompt and outputs); an empty list for no guess."""
-
-    def forget(self, request_id: str) -> None:
-        """The request finished: drop what the proposer keeps for it."""
 
 
 class NgramProposer:

@@ -55,7 +55,7 @@ class _Query:
 
 
 class DraftModelProposer:
-    """``engine.spec_decode.Proposer`` over a started draft runner."""
+    """``executor_protocol.Proposer`` over a started draft runner."""
 
     def __init__(self, runner: ModelRunner, bucket_plan: BucketPlan, num_speculative_tokens: int,
                  max_prefill_seqs: int | None):
