@@ -4,6 +4,7 @@ and the speculative walk. No model: a tiny tokenizer trained in-process and a re
 finishes requests, as the engine does."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ from conftest import train_tiny_tokenizer
 from jaxrunner.engine.output_processor import OutputProcessor
 from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from jaxrunner.executor_protocol import SampledRows
 from jaxrunner.outputs import Logprob
 from jaxrunner.sampling_params import SamplingParams
 
@@ -59,16 +61,16 @@ class Harness:
         return outputs
 
 
-def sampled_arrays(tokens, logprobs=None, ranks=None, top_ids=None, top_logprobs=None) -> dict:
+def sampled_arrays(tokens, logprobs=None, ranks=None, top_ids=None, top_logprobs=None) -> SampledRows:
     """The runner's host arrays for ``len(tokens)`` sampled rows."""
     n = len(tokens)
-    return {
-        "tokens": np.asarray(tokens, np.int32),
-        "logprobs": np.asarray(logprobs if logprobs is not None else [-0.5] * n, np.float32),
-        "ranks": np.asarray(ranks if ranks is not None else [1] * n, np.int32),
-        "top_ids": np.asarray(top_ids if top_ids is not None else [[0] * TOP] * n, np.int32),
-        "top_logprobs": np.asarray(top_logprobs if top_logprobs is not None else [[-1.0] * TOP] * n, np.float32),
-    }
+    return SampledRows(
+        tokens=np.asarray(tokens, np.int32),
+        logprobs=np.asarray(logprobs if logprobs is not None else [-0.5] * n, np.float32),
+        ranks=np.asarray(ranks if ranks is not None else [1] * n, np.int32),
+        top_ids=np.asarray(top_ids if top_ids is not None else [[0] * TOP] * n, np.int32),
+        top_logprobs=np.asarray(top_logprobs if top_logprobs is not None else [[-1.0] * TOP] * n, np.float32),
+    )
 
 
 def words(tokenizer, text: str) -> list[int]:
@@ -176,9 +178,10 @@ def test_prompt_logprobs_accumulate_over_chunks_and_keep_the_first_record(tokeni
     assert n >= 4
 
     def rows(count, value):
-        return {"prompt_logprobs": np.full(count, value, np.float32), "prompt_ranks": np.full(count, 2, np.int32),
-                "prompt_top_ids": np.full((count, TOP), 3, np.int32),
-                "prompt_top_logprobs": np.full((count, TOP), -0.25, np.float32)}
+        return dataclasses.replace(
+            sampled_arrays([0] * count), prompt_logprobs=np.full(count, value, np.float32),
+            prompt_ranks=np.full(count, 2, np.int32), prompt_top_ids=np.full((count, TOP), 3, np.int32),
+            prompt_top_logprobs=np.full((count, TOP), -0.25, np.float32))
 
     h.processor.accept_prompt_logprobs([ScheduledChunk(request, 0, 2)], rows(2, -1.0))
     h.processor.accept_prompt_logprobs([ScheduledChunk(request, 2, n - 2)], rows(n - 2, -2.0))
