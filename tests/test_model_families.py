@@ -310,7 +310,7 @@ def test_partition_rules_cover_every_leaf_and_refuse_unknown_ones(family):
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2).to_dict()
     cfg = config_from_hf(hf)
-    rules = sharding.partition_rules(cfg, 2)
+    rules = registry.partition_rules(cfg)(2)
     shapes = registry.family_for_config(cfg).param_shapes(cfg)
     tree = jax.tree.map(np.zeros, shapes, is_leaf=lambda node: isinstance(node, tuple))
     specs = jax.tree_util.tree_map_with_path(lambda path, _: sharding.leaf_spec(path, rules), tree)
@@ -322,4 +322,5 @@ def test_partition_rules_cover_every_leaf_and_refuse_unknown_ones(family):
     tree["layers"][0]["mystery"] = np.zeros(3)
     with pytest.raises(sharding.PartitionRuleError, match="no partition rule for 'mystery'"):
         jax.tree_util.tree_map_with_path(lambda path, _: sharding.leaf_spec(path, rules), tree)
-    assert sharding.param_shardings(tree, meshes.build_mesh(1, 1), cfg)  # one shard: nothing to split, no rule needed
+    # one shard: nothing to split, no rule needed
+    assert sharding.param_shardings(tree, meshes.build_mesh(1, 1), registry.partition_rules(cfg))

@@ -71,6 +71,7 @@ def test_replicated_kv_heads_leave_the_model_unchanged(gqa_8_2_checkpoint):
     """TP 4 on 2 KV heads copies each KV head into 2 groups; the dense forward must not change."""
     from jaxrunner.models.decoder import Decoder
     from jaxrunner.models.attention import DenseAttention
+    from jaxrunner.models import registry
     from jaxrunner.models.registry import config_from_hf
     from jaxrunner.models.loading.hf import load_hf_state_dict, read_hf_config
     from jaxrunner.models.params import cast_params, host_params_from_state_dict
@@ -78,14 +79,15 @@ def test_replicated_kv_heads_leave_the_model_unchanged(gqa_8_2_checkpoint):
 
     cfg = config_from_hf(read_hf_config(gqa_8_2_checkpoint))
     host = host_params_from_state_dict(load_hf_state_dict(gqa_8_2_checkpoint, progress=False), cfg)
-    wide_host, wide_cfg = replicate_kv_heads(host, cfg, 4)
+    wide_host, wide_cfg = replicate_kv_heads(host, cfg, 4, registry.kv_grouped_leaves(cfg))
     assert wide_cfg.num_kv_heads == 4 and wide_host["layers"][0]["wqkv"].shape[1] == 4 * (2 + 2) * 8
 
     ids = np.random.default_rng(0).integers(3, 512, 24)
 
     def logits(params, config):
         hidden, _ = Decoder(config).forward(cast_params(params, "float32"), jnp.asarray(ids), jnp.arange(len(ids)),
-                                            [None] * config.num_layers, jnp.zeros(len(ids), jnp.int32), DenseAttention())
+                                            [None] * config.num_layers, jnp.zeros(len(ids), jnp.int32),
+                                            DenseAttention())
         return np.asarray(Decoder(config).compute_logits(cast_params(params, "float32"), hidden))
 
     np.testing.assert_allclose(logits(wide_host, wide_cfg), logits(host, cfg), rtol=1e-5, atol=1e-5)

@@ -115,6 +115,18 @@ def config_from_hf(hf_config: dict, source: str = "config.json") -> ModelConfig:
     return family_for_hf_config(hf_config, source).config_from_hf(hf_config, source)
 
 
+def partition_rules(cfg: ModelConfig) -> Callable[[int], Mapping[str, Any]]:
+    """``tp -> rules`` of ``cfg``'s family: what ``parallel.sharding`` lays params out by (looked up
+    only when asked: one shard consults no rules, so unregistered models serve on one device)."""
+    return lambda tp: family_for_config(cfg).partition_rules(cfg, tp)
+
+
+def kv_grouped_leaves(cfg: ModelConfig) -> tuple[str, ...]:
+    """The layer leaves of ``cfg``'s family laid out by KV-head group (regrouped when KV heads are
+    replicated for tensor parallelism)."""
+    return family_for_config(cfg).kv_grouped_leaves
+
+
 def architecture_for(cfg: ModelConfig, matmuls=None):
     """The ``forward``/``compute_logits`` object of ``cfg``'s family, bound to ``cfg`` and to where its
     linear products run: ``matmuls``, the runner's ``kernels.capabilities().matmuls`` (None: XLA's

@@ -7,17 +7,28 @@ collectives tensor parallelism needs.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
-
-from jaxrunner.models.config import ModelConfig
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
 
-def tensor_parallel_problem(cfg: ModelConfig, tp: int) -> str | None:
+class ModelShape(Protocol):
+    """What parallelism reads of a model's config (``models.config.ModelConfig`` has it): head
+    counts and widths. ``parallel/`` imports nothing of the models; the rules come from the caller."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def tensor_parallel_problem(cfg: ModelShape, tp: int) -> str | None:
     """Why ``tp`` cannot split this model, or ``None`` when it can."""
     if cfg.num_heads % tp:
         return f"it does not divide the {cfg.num_heads} query heads"
@@ -29,11 +40,11 @@ def tensor_parallel_problem(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
-def valid_tensor_parallel_sizes(cfg: ModelConfig) -> list[int]:
+def valid_tensor_parallel_sizes(cfg: ModelShape) -> list[int]:
     return [tp for tp in range(1, cfg.num_heads + 1) if tensor_parallel_problem(cfg, tp) is None]
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+def check_tensor_parallel(cfg: ModelShape, tp: int) -> None:
     problem = tensor_parallel_problem(cfg, tp)
     if problem:
         raise ValueError(f"tensor_parallel_size={tp}: {problem}; sizes that work for this model: "

@@ -2,7 +2,9 @@
 
 Megatron-style tensor parallelism expressed as shardings, with XLA's SPMD partitioner adding the
 collectives. Which leaf is split how is each family's own business: its ``partition_rules``
-(``models.registry``) map every leaf name to a PartitionSpec, built from the specs here:
+(``models.registry.partition_rules``) map every leaf name to a PartitionSpec, built from the specs
+here; callers hand them in as ``rules_for``, a function of the number of shards (this package
+imports nothing of the models):
 
 - :data:`COLUMN` (output dim split over ``"model"``): fused q/k/v, gate/up. The fused layouts
   (``jaxrunner.models.params``) make each shard's slice whole KV-head groups and whole gate/up
@@ -21,13 +23,15 @@ When the model has fewer KV heads than shards, :func:`replicate_kv_heads` copies
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrunner.models.config import ModelConfig
-from jaxrunner.parallel.mesh import MODEL_AXIS, tensor_parallel_size
+from jaxrunner.parallel.mesh import MODEL_AXIS, ModelShape, tensor_parallel_size
+
+RulesFor = Callable[[int], Mapping[str, P]]  # shards -> leaf name -> PartitionSpec
 
 COLUMN = P(None, MODEL_AXIS)      # [in, out] split by output columns
 ROW = P(MODEL_AXIS, None)         # [in, out] split by input rows
@@ -40,7 +44,7 @@ class PartitionRuleError(ValueError):
     """A params leaf that its family's partition rules do not name."""
 
 
-def vocab_rules(cfg: ModelConfig, tp: int) -> dict[str, P]:
+def vocab_rules(cfg: ModelShape, tp: int) -> dict[str, P]:
     """``embed`` [vocab, d] and ``lm_head`` [d, vocab] split along the vocabulary when it divides."""
     if shards_vocab(cfg, tp):
         return {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS)}
@@ -92,29 +96,27 @@ def leaf_spec(path, rules) -> P:
     return QUANTIZED_PART_SPECS[part](rules[name])
 
 
-def shards_vocab(cfg: ModelConfig, tp: int) -> bool:
+def shards_vocab(cfg: ModelShape, tp: int) -> bool:
     return cfg.vocab_size % tp == 0
 
 
-def partition_rules(cfg: ModelConfig, tp: int) -> dict[str, P]:
-    """The rules of ``cfg``'s family (``models.registry``) for ``tp`` shards."""
-    from jaxrunner.models.registry import family_for_config
-
-    return family_for_config(cfg).partition_rules(cfg, tp)
+def no_rules(tp: int) -> dict[str, P]:
+    """The ``rules_for`` of a model served whole on every device (one shard consults no rule)."""
+    return {}
 
 
-def param_shardings(params, mesh: Mesh, cfg: ModelConfig):
-    """A pytree of NamedShardings matching ``params`` (float or int8)."""
-    for_path = sharding_for_path(mesh, cfg)
+def param_shardings(params, mesh: Mesh, rules_for: RulesFor):
+    """A pytree of NamedShardings matching ``params`` (float or quantized)."""
+    for_path = sharding_for_path(mesh, rules_for)
     return jax.tree_util.tree_map_with_path(lambda path, _: for_path(path), params)
 
 
-def sharding_for_path(mesh: Mesh, cfg: ModelConfig):
+def sharding_for_path(mesh: Mesh, rules_for: RulesFor):
     """``path -> NamedSharding``, for restoring a checkpoint whose tree is known only to orbax."""
     tp = tensor_parallel_size(mesh)
     if tp == 1:
         return lambda path: NamedSharding(mesh, REPLICATED)
-    rules = partition_rules(cfg, tp)
+    rules = rules_for(tp)
     return lambda path: NamedSharding(mesh, leaf_spec(path, rules))
 
 
@@ -127,20 +129,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 # ----------------------------------------------------------------------------- KV-head replication
-def kv_replication(cfg: ModelConfig, tp: int) -> int:
+def kv_replication(cfg: ModelShape, tp: int) -> int:
     """How many shards each KV head is copied onto (1: heads are split, not copied)."""
     return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
 
 
-def served_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def served_config(cfg: ModelShape, tp: int) -> ModelShape:
     """The config as served by ``tp`` shards: ``tp`` KV heads when they had to be replicated."""
     r = kv_replication(cfg, tp)
     return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
 
 
-def replicate_kv_heads_in_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
-    """One layer's host params with every one of ``tp`` shards given its own KV head: the family's
-    ``kv_grouped_leaves`` (laid out by KV-head group, ``models.params.group_qkv``) are regrouped.
+def replicate_kv_heads_in_layer(layer: dict, cfg: ModelShape, tp: int, grouped: tuple[str, ...]) -> dict:
+    """One layer's host params with every one of ``tp`` shards given its own KV head: the leaves
+    named in ``grouped`` (the family's ``kv_grouped_leaves``, laid out by KV-head group,
+    ``models.params.group_qkv``) are regrouped.
 
     Group ``g`` (its ``G`` query heads, ``k_g``, ``v_g``) becomes ``r = tp / Hkv`` groups, each with
     ``G / r`` of the query heads and a copy of ``k_g``, ``v_g``; query head order is unchanged.
@@ -158,15 +161,13 @@ def replicate_kv_heads_in_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
         kv = np.broadcast_to(w[..., None, group:, :], (*lead, kv_heads, r, 2, dim))
         return np.concatenate([q, kv], axis=-2).reshape(*lead, -1)
 
-    from jaxrunner.models.registry import family_for_config
-
-    grouped = family_for_config(cfg).kv_grouped_leaves
     return {name: regroup(value) if name in grouped else value for name, value in layer.items()}
 
 
-def replicate_kv_heads(host_params: dict, cfg: ModelConfig, tp: int) -> tuple[dict, ModelConfig]:
+def replicate_kv_heads(host_params: dict, cfg: ModelShape, tp: int,
+                       grouped: tuple[str, ...]) -> tuple[dict, ModelShape]:
     """:func:`replicate_kv_heads_in_layer` over a whole host params tree; also the served config."""
-    layers = [replicate_kv_heads_in_layer(layer, cfg, tp) for layer in host_params["layers"]]
+    layers = [replicate_kv_heads_in_layer(layer, cfg, tp, grouped) for layer in host_params["layers"]]
     return {**host_params, "layers": layers}, served_config(cfg, tp)
 
 

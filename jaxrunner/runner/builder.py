@@ -13,6 +13,7 @@ import jax
 from jaxrunner.config import EngineConfig
 from jaxrunner.models.loading import LoadedModel, load_model
 from jaxrunner.models.loading.quantize import quantize_model
+from jaxrunner.models import registry
 from jaxrunner.parallel import distributed, mesh as meshes, sharding
 from jaxrunner.runner.executor import Executor
 from jaxrunner.runner.preflight import check_draft_vocabulary
@@ -66,5 +67,5 @@ def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
     """``model`` with its params copied onto another replica's mesh (device to device)."""
     if mesh is model.mesh:
         return model
-    params = jax.device_put(model.params, sharding.param_shardings(model.params, mesh, model.config))
+    params = jax.device_put(model.params, sharding.param_shardings(model.params, mesh, registry.partition_rules(model.config)))
     return dataclasses.replace(model, params=params, mesh=mesh)

@@ -179,7 +179,7 @@ class ModelRunner:
         self.matmuls = kernels.capabilities(self.device.platform).matmuls  # where the model's products run
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
-        param_shardings = sharding.param_shardings(params, self.mesh, cfg)
+        param_shardings = sharding.param_shardings(params, self.mesh, registry.partition_rules(cfg))
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool, pool)] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.models import registry
 from jaxrunner.models.registry import config_from_hf
 from jaxrunner.models.loading import LoadedModel
 from jaxrunner.models.loading.resolve import ModelSource
@@ -94,7 +95,7 @@ def model_from_params(params, config, tokenizer, mesh) -> LoadedModel:
                          f"params are served without copying KV heads, so use at most {cfg.num_kv_heads}")
     dtype = params_dtype(params)
     check_like(params, expected_params(cfg, dtype))
-    placed = place_like(params, sharding.param_shardings(params, mesh, cfg))
+    placed = place_like(params, sharding.param_shardings(params, mesh, registry.partition_rules(cfg)))
     return LoadedModel(cfg, hf_config, placed, tokenizer, ModelSource("memory", IN_MEMORY), dtype,
                        time.perf_counter() - start, mesh)
 
@@ -108,6 +109,6 @@ def model_from_nnx(module, tokenizer, mesh) -> LoadedModel:
     if meshes.tensor_parallel_size(mesh) > 1:
         raise ValueError("tensor_parallel_size: a Flax NNX module is served on one device per replica "
                          "(its leaves have no partition rules); use 1, and data_parallel_size for more devices")
-    placed = place_like(state, sharding.param_shardings(state, mesh, architecture.cfg))
+    placed = place_like(state, sharding.param_shardings(state, mesh, sharding.no_rules))
     return LoadedModel(architecture.cfg, {}, placed, tokenizer, ModelSource("memory", IN_MEMORY),
                        params_dtype(state), time.perf_counter() - start, mesh, architecture=architecture)

@@ -13,7 +13,7 @@ import time
 from typing import Mapping
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.registry import config_from_hf
+from jaxrunner.models.registry import config_from_hf, kv_grouped_leaves, partition_rules
 from jaxrunner.models.loading.precision import choose_dtype
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
 from jaxrunner.models.params import build_params, cast_params, params_count, params_nbytes
@@ -193,16 +193,17 @@ def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: st
     tp = 1 if mesh is None else meshes.tensor_parallel_size(mesh)
     meshes.check_tensor_parallel(cfg, tp)
     served = sharding.served_config(cfg, tp)
+    rules, grouped = partition_rules(served), kv_grouped_leaves(cfg)
 
     def place(piece: dict) -> dict:
-        piece = sharding.replicate_kv_heads_in_layer(piece, cfg, tp)  # touches only a layer's grouped leaves
-        return cast_params(piece, dtype, None if mesh is None else sharding.param_shardings(piece, mesh, served))
+        piece = sharding.replicate_kv_heads_in_layer(piece, cfg, tp, grouped)  # only a layer's grouped leaves
+        return cast_params(piece, dtype, None if mesh is None else sharding.param_shardings(piece, mesh, rules))
 
     if weights.state is not None:
         params = build_params(weights.state, cfg, place, source, progress)
     else:
-        host = sharding.replicate_kv_heads(weights.params, cfg, tp)[0]
-        params = cast_params(host, dtype, None if mesh is None else sharding.param_shardings(host, mesh, served))
+        host = sharding.replicate_kv_heads(weights.params, cfg, tp, grouped)[0]
+        params = cast_params(host, dtype, None if mesh is None else sharding.param_shardings(host, mesh, rules))
     return params, served, sharding.kv_replication(cfg, tp)
 
 
@@ -222,7 +223,7 @@ def _restore_sharded(source: ModelSource, cfg: ModelConfig, dtype: str, mesh):
     from jaxrunner.parallel import sharding
 
     params, hf_config, tokenizer = load_checkpoint(source.path, dtype=dtype,
-                                                   shardings=sharding.sharding_for_path(mesh, cfg))
+                                                   shardings=sharding.sharding_for_path(mesh, partition_rules(cfg)))
     return hf_config, params, tokenizer
 
 
