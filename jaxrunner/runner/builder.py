@@ -67,5 +67,6 @@ def _on_mesh(model: LoadedModel, mesh) -> LoadedModel:
     """``model`` with its params copied onto another replica's mesh (device to device)."""
     if mesh is model.mesh:
         return model
-    params = jax.device_put(model.params, sharding.param_shardings(model.params, mesh, registry.partition_rules(model.config)))
+    rules = registry.partition_rules(model.config)
+    params = jax.device_put(model.params, sharding.param_shardings(model.params, mesh, rules))
     return dataclasses.replace(model, params=params, mesh=mesh)

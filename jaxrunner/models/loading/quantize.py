@@ -32,7 +32,8 @@ def quantize_model(model, quantization: str, group_size: int = 32):
     params = quantize_params(model.params, quantization, group_size, replace, family.quantized_leaves,
                              family.quantized_embedding)
     if model.mesh is not None and model.mesh.devices.size > 1:
-        params = jax.device_put(params, sharding.param_shardings(params, model.mesh, registry.partition_rules(model.config)))
+        rules = registry.partition_rules(model.config)
+        params = jax.device_put(params, sharding.param_shardings(params, model.mesh, rules))
     return dataclasses.replace(model, params=params)
 
 
