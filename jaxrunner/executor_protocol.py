@@ -78,7 +78,7 @@ class SequenceInput:
     sampling: SamplingRow | None = None       # settings of the token it samples; None: no row sampled
     num_drafts: int = 0    # its last num_drafts tokens are proposals, each checked by a draft row
     draft_bitmasks: np.ndarray | None = None  # [num_drafts, words]: each draft row's allowed tokens (None: all)
-    request_id: str = ""   # whose it is (for errors and logs; the runner keys nothing by it)
+    request_id: str = ""   # whose it is (named in the runner's errors; it keys nothing by it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +102,6 @@ class StepInput:
     def widest(self) -> int:
         """Pages of the sequence holding the most."""
         return max(len(seq.pages) for seq in self.sequences)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return any(seq.prompt_targets is not None for seq in self.sequences)
 
 
 # ----------------------------------------------------------------------------- runner -> engine

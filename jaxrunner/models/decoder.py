@@ -2,8 +2,8 @@
 
 A family subclasses :class:`Decoder` and replaces the parts it does differently (Llama's are the
 defaults): ``embed``, ``norm``, the per-step ``context`` (RoPE tables, masks), a layer's static
-``kind`` (its sliding window), and the two halves of a layer, ``attend`` (norm, q/k/v, RoPE,
-attention) and ``finish`` (output projection, MLP, residuals). The loop is written once, here:
+``kind`` (its sliding window), the attention's scale and soft cap, and the two halves of a layer,
+``attend`` (norm, q/k/v, RoPE, attention) and ``finish`` (output projection, MLP, residuals). The loop is written once, here:
 
 * the last layer's ``finish`` runs on the sampled ``rows`` alone (a prefill chunk samples one row
   of hundreds); with ``all_rows`` (a traced bool, prompt logprobs) it runs on every row when that
@@ -60,12 +60,19 @@ class Decoder:
         """The layer's grouped float32 q/k/v [T, Hkv, G + 2, D] before RoPE."""
         return layers.project_qkv(layer, self.norm(x, layer["attn_norm"]), self.cfg, self.matmuls)
 
+    def attention_scale(self) -> float:
+        return self.cfg.head_dim ** -0.5
+
+    def attention_soft_cap(self) -> float | None:
+        """``cap`` of the attention logits' ``cap * tanh(s / cap)``, or None for none."""
+        return None
+
     def attend(self, layer, x, context: dict, kind, layer_cache, meta, attention):
         """The first half of a layer: returns the attention output [T, Hq * D] (before its output
         projection) and the layer's new cache."""
         q, k, v = layers.split_rotated(self.qkv(layer, x), *self.rope(context, kind), self.cfg.num_heads)
-        return layers.attend(q, k, v, layer_cache, meta, attention, sm_scale=self.cfg.head_dim ** -0.5,
-                             sliding_window=kind)
+        return layers.attend(q, k, v, layer_cache, meta, attention, sm_scale=self.attention_scale(),
+                             sliding_window=kind, soft_cap=self.attention_soft_cap())
 
     def finish(self, layer, x, attended, context: dict, attention, rows=None, probe=None) -> jax.Array:
         """The second half: output projection and residual, then the MLP and its residual. ``x``

@@ -108,10 +108,11 @@ class GemmaDecoder(Decoder):
                                  norm=layers.offset_rms_norm)
         return qkv
 
-    def attend(self, layer, x, context: dict, kind, layer_cache, meta, attention):
-        q, k, v = layers.split_rotated(self.qkv(layer, x), *self.rope(context, kind), self.cfg.num_heads)
-        return layers.attend(q, k, v, layer_cache, meta, attention, sm_scale=self.cfg.query_pre_attn_scalar ** -0.5,
-                             sliding_window=kind, soft_cap=self.cfg.attn_logit_softcap)
+    def attention_scale(self) -> float:
+        return self.cfg.query_pre_attn_scalar ** -0.5
+
+    def attention_soft_cap(self) -> float | None:
+        return self.cfg.attn_logit_softcap
 
     def finish(self, layer, x, attended, context: dict, attention, rows=None, probe=None):
         x = x + self.norm(layers.linear(attended.astype(x.dtype), layer["wo"], self.matmuls), layer["post_attn_norm"])

@@ -239,7 +239,7 @@ def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence
         _lay_out_tokens(batch, slot, seq, cursor, page_size)
         cursor += len(seq.token_ids)
         if seq.sampling is not None:
-            _lay_out_sampling(batch.sampling, slot, seq.sampling, seq.kv_len)
+            _lay_out_sampling(batch.sampling, slot, seq)
         if seq.num_drafts:
             draft_row = _lay_out_drafts(batch, slot, seq, cursor, draft_row)
     batch.attention.cu_q_lens[len(sequences) + 1:] = cursor
@@ -266,24 +266,29 @@ def _lay_out_tokens(batch: StepBatch, slot: int, seq: SequenceInput, cursor: int
     meta.cu_q_lens[slot + 1] = cursor + q
 
 
-def _lay_out_sampling(sampling: SamplingMetadata, slot: int, row: SamplingRow, kv_len: int) -> None:
+def _who(seq: SequenceInput, slot: int) -> str:
+    return f"request {seq.request_id!r}" if seq.request_id else f"sequence {slot}"
+
+
+def _lay_out_sampling(sampling: SamplingMetadata, slot: int, seq: SequenceInput) -> None:
     """Row ``slot`` of every sampling column; it samples the token after the query (at ``kv_len``)."""
     for field in dataclasses.fields(SamplingRow):
-        column, value = getattr(sampling, field.name), getattr(row, field.name)
+        column, value = getattr(sampling, field.name), getattr(seq.sampling, field.name)
         if column.ndim == 1:
             column[slot] = value
         elif len(value) > column.shape[1]:
-            raise RuntimeError(f"sampling {field.name}: {len(value)} entries, the batch holds {column.shape[1]}")
+            raise RuntimeError(f"{_who(seq, slot)}: sampling {field.name}: {len(value)} entries, the batch holds "
+                               f"{column.shape[1]}")
         else:
             column[slot, :len(value)] = value
-    sampling.positions[slot] = kv_len
+    sampling.positions[slot] = seq.kv_len
 
 
 def _lay_out_drafts(batch: StepBatch, slot: int, seq: SequenceInput, end: int, draft_row: int) -> int:
     """Draft rows of ``seq``'s proposals (its tokens end at row ``end``); returns the next free one."""
     k, spec = seq.num_drafts, batch.draft_rows
     if spec is None or draft_row + k > len(spec.tokens):
-        raise RuntimeError(f"sequence {slot}: {k} proposals do not fit the bucket's draft rows")
+        raise RuntimeError(f"{_who(seq, slot)}: {k} proposals do not fit the bucket's draft rows")
     rows = slice(draft_row, draft_row + k)
     first_sampled = seq.kv_len - k  # the position the first verifying row samples
     spec.logits_indices[rows] = np.arange(end - k - 1, end - 1)
