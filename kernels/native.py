@@ -62,10 +62,6 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-
-
 def _cache_dir() -> Path:
     """``$JAXRUNNER_CACHE_DIR/kernels``, else ``~/.cache/jaxrunner/kernels`` if it can be created,
     else a folder in the temporary directory."""
@@ -80,24 +76,26 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / "jaxrunner-kernels"
 
 
-def _library_path(compiler: str) -> Path:
+def library_path(name: str, compiler: str, files, flags=FLAGS) -> Path:
+    """Where the library ``name`` built from ``files`` lives in the cache: keyed by their bytes, the
+    jaxlib version, the compiler, the flags and the CPU's feature flags."""
     import jaxlib
 
     key = hashlib.sha256()
-    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
-    for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
+    sources = [Path(path).read_bytes() for path in files]
+    for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return _cache_dir() / f"lib{TARGET_NAME}-{key.hexdigest()[:16]}.so"
+    return _cache_dir() / f"lib{name}-{key.hexdigest()[:16]}.so"
 
 
-def build_library(compiler: str, target: Path) -> None:
-    """Compile into a temporary file beside ``target`` and rename it into place (atomic)."""
+def build_library(compiler: str, target: Path, sources=SOURCES, flags=FLAGS, link=()) -> None:
+    """Compile ``sources`` into a temporary file beside ``target`` and rename it into place (atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *map(str, sources), "-o", tmp, *link]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
@@ -109,16 +107,22 @@ def build_library(compiler: str, target: Path) -> None:
             os.remove(tmp)
 
 
-def _load() -> None:
-    """Build (or find) the library and register its handler with XLA."""
+def compiler() -> str:
+    """The C++ compiler the kernels are built with (``$CXX`` first); raises when there is none."""
     if platform.system() != "Linux":
         raise NativeKernelUnavailable(f"the native CPU kernel is built for Linux only, not {platform.system()}")
-    compiler = _compiler()
-    if compiler is None:
+    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if found is None:
         raise NativeKernelUnavailable("no C++ compiler found (set CXX, or install g++)")
-    path = _library_path(compiler)
+    return found
+
+
+def _load() -> None:
+    """Build (or find) the library and register its handler with XLA."""
+    cxx = compiler()
+    path = library_path(TARGET_NAME, cxx, (*SOURCES, *HEADERS))
     if not path.exists():
-        build_library(compiler, path)
+        build_library(cxx, path)
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, WRITE_SYMBOL)), platform="cpu")
@@ -220,7 +224,8 @@ def small_matmul_native(x, w, *, transposed: bool = False):
 def cpu_features() -> list[str]:
     """The vector extensions this CPU reports (what ``-march=native`` builds the kernels for)."""
     flags = set(_cpu_flags().split())
-    return [name for name in ("avx512f", "avx512_vnni", "avx512_bf16", "avx2", "avx_vnni", "fma") if name in flags]
+    names = ("amx_bf16", "amx_int8", "avx512f", "avx512_vnni", "avx512_bf16", "avx2", "avx_vnni", "fma")
+    return [name for name in names if name in flags]
 
 
 def quantized_matmul_supported(x, w: dict) -> bool:
