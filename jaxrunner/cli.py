@@ -13,7 +13,7 @@ import sys
 import time
 
 from jaxrunner.config import DEFAULT_MODEL, DTYPES
-from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES
+from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES),
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
+    parser.add_argument("--cpu-matmul", default="auto", choices=list(CPU_MATMUL_CHOICES),
+                        help="CPU products of several rows (auto: oneDNN where measured faster on this CPU kind, "
+                             "else XLA's dot)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     parser.add_argument("--coordinator-address", default=None,
@@ -49,7 +52,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def _engine_options(args) -> dict:
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
-                   seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
+                   cpu_matmul=args.cpu_matmul, seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
                    tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                    quantization=args.quantization)
     if args.speculative_config is not None:
@@ -247,6 +250,7 @@ def cmd_info(args) -> int:
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "cpu_count": os.cpu_count(), "attention_impl": kernels.resolve_impl("auto", device.platform),
             "native_cpu_kernel": kernels.capabilities(device.platform).native_cpu_status,
+            "cpu_matmul": kernels.choose_matmuls("auto", device.platform)[1],
             "default_model": f"{DEFAULT_MODEL}: {default_model}",
             "compilation_cache_dir": EngineConfig().compilation_cache_dir}
     if args.json:

@@ -10,7 +10,7 @@ import dataclasses
 import numbers
 import os
 
-from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES
+from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -38,6 +38,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True           # plan step N+1 while step N runs on the device
     attention_impl: str = "auto"            # auto | pallas | jax_tpu (TPU) | native (CPU) | xla | reference
+    cpu_matmul: str = "auto"                # auto | xla | onednn: where a CPU's products of several rows run
     kv_cache_dtype: str | None = None       # defaults to dtype (float32 for bf16 on CPU without the native kernel)
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
@@ -68,6 +69,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPL_CHOICES)
+        _check_choice("cpu_matmul", self.cpu_matmul, CPU_MATMUL_CHOICES)
         _check_choice("warmup_inputs", self.warmup_inputs, WARMUP_INPUTS)
         for name, low in (("seed", 0), ("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("min_token_bucket", 1), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):

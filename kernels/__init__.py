@@ -21,7 +21,7 @@ else:
     import importlib as _importlib
 
     # no JAX: host-only code (the config, the CLI) reads these names
-    from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, ATTENTION_IMPLS
+    from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, ATTENTION_IMPLS, CPU_MATMUL_CHOICES
 
     # the rest of the public API, each name from its module, imported (with JAX) on first use; no
     # module may share a public name (importing it would bind the module over the name)
@@ -29,14 +29,16 @@ else:
         "SCRATCH_PAGE": "blocks",
         "XLA_MATMULS": "platform_support", "KernelCapabilities": "platform_support",
         "MatmulKernels": "platform_support", "capabilities": "platform_support",
+        "choose_matmuls": "platform_support", "onednn_unavailable": "platform_support",
         "choose_impl": "dispatch", "ragged_paged_attention": "dispatch", "resolve_impl": "dispatch",
         "write_kv_and_attend": "dispatch",
         "write_kv_pages": "kv_write",
         # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
         "small_matmul_native": "native", "small_matmul_supported": "native",
+        "onednn_matmul": "onednn", "onednn_supported": "onednn",
     }
-    __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", *_PUBLIC]
+    __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", "CPU_MATMUL_CHOICES", *_PUBLIC]
 
     def __getattr__(name: str):
         if name not in _PUBLIC:

@@ -25,3 +25,8 @@ ATTENTION_IMPLS = tuple(ATTENTION_KERNELS)
 AUTO = "auto"
 ATTENTION_IMPL_CHOICES = (AUTO, *ATTENTION_IMPLS)
 """What a user may ask for: ``auto`` (the best that runs for the model's shapes) or one implementation."""
+
+CPU_MATMUL_CHOICES = (AUTO, "xla", "onednn")
+"""Where a CPU engine's float products of several rows run (``EngineConfig.cpu_matmul``): ``auto``
+(oneDNN where it was measured faster on this CPU kind, see ``platform_support.ONEDNN_FASTER``),
+``xla`` (XLA's dot) or ``onednn`` (oneDNN's matmul for every bf16 and float32 one)."""

@@ -15,14 +15,22 @@ from typing import Mapping
 
 import jax
 
-from jaxrunner.kernels.names import ATTENTION_IMPLS
+from jaxrunner.kernels.names import ATTENTION_IMPLS, CPU_MATMUL_CHOICES
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-XLA, NATIVE = "xla", "native"
+XLA, NATIVE, ONEDNN = "xla", "native", "onednn"
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # XLA:CPU routes a one-row 16-bit dot to a GEMV that measured 9x slower than the same dot with
 # four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms), so such dots are padded to four.
 CPU_MIN_16BIT_ROWS = 4
+# Where oneDNN's matmul beat XLA's dot, per CPU kind: (the CPU flag, the operand dtypes, the fewest
+# rows, the smallest weight in bytes); the first row whose flag the CPU has applies. Read off
+# scripts/bench_matmul.py (both in one process, alternating) and checked end to end with the
+# throughput benchmark; a CPU kind not listed keeps XLA's dot until measured.
+ONEDNN_FASTER = (
+    ("amx_bf16", ("bfloat16",), 8, 8 << 20),
+)
+NOT_FASTER = ((), 2, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +46,10 @@ class MatmulKernels:
       more float32 rows lets it unpack the weight for XLA's dot (:func:`dequantize_native`);
       ``"xla"`` dequantizes in XLA.
     * ``min_16bit_rows``: XLA dots of 16-bit operands with fewer rows are padded to this many.
+    * ``onednn_dtypes``: float products whose operands have one of these dtypes, at least
+      ``onednn_min_rows`` rows and a weight of at least ``onednn_min_weight_bytes`` go to oneDNN's
+      matmul (:func:`onednn_matmul`: AMX and AVX-512 kernels, faster than XLA's dot where
+      :func:`capabilities` chooses it); empty: none.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -45,11 +57,20 @@ class MatmulKernels:
     one_row: str = XLA
     weight_only: str = XLA
     min_16bit_rows: int = 1
+    onednn_dtypes: tuple[str, ...] = ()
+    onednn_min_rows: int = 2
+    onednn_min_weight_bytes: int = 0
 
     def __post_init__(self):
         for name in ("one_row", "weight_only"):
             if getattr(self, name) not in (XLA, NATIVE):
                 raise ValueError(f"MatmulKernels.{name}: expected {XLA!r} or {NATIVE!r}, got {getattr(self, name)!r}")
+        if not isinstance(self.onednn_dtypes, tuple) or not set(self.onednn_dtypes) <= {"float32", "bfloat16"}:
+            raise ValueError(f"MatmulKernels.onednn_dtypes: expected a tuple of 'float32' and 'bfloat16', "
+                             f"got {self.onednn_dtypes!r}")
+        for name, low in (("onednn_min_rows", 1), ("onednn_min_weight_bytes", 0)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
+                raise ValueError(f"MatmulKernels.{name}: expected an integer >= {low}, got {getattr(self, name)!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -137,10 +158,69 @@ def _kv_in_place(platform: str, impl: str) -> tuple[str, ...]:
 
 
 def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> MatmulKernels:
-    """The native matmuls on a process with one CPU device where the library loads; XLA's dot
-    otherwise (several devices: sharded or replicated programs, which the custom calls do not
-    partition)."""
+    """The native matmuls on a process with one CPU device where the library loads, and oneDNN's
+    where this CPU is in :data:`ONEDNN_FASTER`; XLA's dot otherwise (several devices: sharded or
+    replicated programs, which the custom calls do not partition)."""
     if platform != "cpu":
         return XLA_MATMULS
     kernel = NATIVE if device_count == 1 and native_cpu is None else XLA
-    return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS)
+    onednn = _onednn_faster() if device_count == 1 else NOT_FASTER
+    if onednn[0] and onednn_unavailable(platform) is not None:  # built only where the table would use it
+        onednn = NOT_FASTER
+    return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
+                         onednn_dtypes=onednn[0], onednn_min_rows=onednn[1], onednn_min_weight_bytes=onednn[2])
+
+
+def onednn_unavailable(platform: str = "cpu") -> str | None:
+    """None when oneDNN's matmul is built and loaded here; else why not."""
+    if platform != "cpu":
+        return f"oneDNN's matmul is used on CPU only, not {platform}"
+    from jaxrunner.kernels import onednn
+
+    return onednn.unavailable_reason()
+
+
+def _onednn_faster() -> tuple[tuple[str, ...], int, int]:
+    """(dtypes, fewest rows, smallest weight in bytes) of the products oneDNN runs faster than
+    XLA's dot on this CPU, from :data:`ONEDNN_FASTER` (the first row whose CPU flag is present)."""
+    from jaxrunner.kernels import native
+
+    flags = set(native.cpu_features())
+    for flag, *faster in ONEDNN_FASTER:
+        if flag in flags:
+            return tuple(faster)
+    return NOT_FASTER
+
+
+def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tuple[MatmulKernels, str]:
+    """(where the model's products run, why) for the engine option ``cpu_matmul``: ``"auto"``
+    takes :func:`capabilities`' choice, ``"xla"`` keeps every multi-row product on XLA's dot,
+    ``"onednn"`` sends every bf16 and float32 one of two rows or more to oneDNN (an error where it
+    is unavailable). The one place the choice is made."""
+    if cpu_matmul not in CPU_MATMUL_CHOICES:
+        raise ValueError(f"cpu_matmul: invalid value {cpu_matmul!r}; valid: {CPU_MATMUL_CHOICES}")
+    caps = capabilities(platform)
+    chosen = caps.matmuls
+    if caps.platform != "cpu":
+        return chosen, f"{caps.platform}: XLA's dot"
+    if cpu_matmul == XLA:
+        return dataclasses.replace(chosen, onednn_dtypes=()), "asked for"
+    if cpu_matmul == ONEDNN:
+        why = onednn_unavailable()
+        if why is not None:
+            raise ValueError(f"cpu_matmul='onednn': oneDNN's matmul is unavailable here ({why}); valid here: "
+                             f"'auto' or 'xla'")
+        if caps.device_count != 1:
+            raise ValueError(f"cpu_matmul='onednn' runs on one CPU device, not {caps.device_count}; valid here: "
+                             f"'auto' or 'xla'")
+        return dataclasses.replace(chosen, onednn_dtypes=("float32", "bfloat16"), onednn_min_rows=2,
+                                   onednn_min_weight_bytes=0), "asked for"
+    if chosen.onednn_dtypes:
+        return chosen, (f"CPU: oneDNN for {'/'.join(chosen.onednn_dtypes)} products of {chosen.onednn_min_rows}+ "
+                        f"rows and weights of {chosen.onednn_min_weight_bytes >> 20}+ MiB (measured faster than "
+                        f"XLA's dot on this CPU kind)")
+    if caps.device_count != 1:
+        return chosen, f"CPU: XLA's dot ({caps.device_count} CPU devices: the custom call is not partitioned)"
+    if not _onednn_faster()[0]:
+        return chosen, "CPU: XLA's dot (oneDNN not measured faster on this CPU kind)"
+    return chosen, f"CPU: XLA's dot (oneDNN unavailable: {onednn_unavailable()})"

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES
+from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step before planning the next (no host/device overlap)")
     g.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES))
+    g.add_argument("--cpu-matmul", default="auto", choices=list(CPU_MATMUL_CHOICES),
+                   help="CPU products of several rows: oneDNN or XLA's dot (auto: as measured per CPU kind)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     g.add_argument("--compilation-cache-dir", default=None,
@@ -114,7 +116,7 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
                    max_model_len=max_model_len, page_size=args.page_size,
                    enable_prefix_caching=not args.no_prefix_caching,
                    enable_chunked_prefill=not args.no_chunked_prefill, attention_impl=args.attention_impl,
-                   async_scheduling=not args.no_async_scheduling,
+                   cpu_matmul=args.cpu_matmul, async_scheduling=not args.no_async_scheduling,
                    seed=args.seed, progress=show_progress(args), tensor_parallel_size=args.tensor_parallel_size,
                    data_parallel_size=args.data_parallel_size, quantization=getattr(args, "quantization", None))
     if args.num_pages is not None:
@@ -140,7 +142,7 @@ def start_llm(model: str, options: dict):
 def startup_summary(llm) -> dict:
     report = llm.startup_report
     keys = ("load_s", "compile_s_total", "warmup_s", "kv_alloc_s", "bucket_plan", "kv_pages", "kv_tokens",
-            "attention_impl", "max_model_len", "dtype", "quantization")
+            "attention_impl", "cpu_matmul", "max_model_len", "dtype", "quantization")
     return {k: report.get(k) for k in keys}
 
 

@@ -40,6 +40,7 @@ PERCENTILES = (50, 90, 99)
 # `jaxrunner serve` flags for the engine options it takes; others must keep their defaults.
 SERVE_FLAGS = {"dtype": "--dtype", "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
                "max_num_batched_tokens": "--max-num-batched-tokens", "attention_impl": "--attention-impl",
+               "cpu_matmul": "--cpu-matmul",
                "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
                "seed": "--seed"}
 

@@ -33,7 +33,10 @@ def test_capabilities_answer_on_this_cpu_machine():
     if caps.native_cpu is None:  # built and loaded here: native attention, and its bf16 write in place
         assert "native" in caps.attention_impls and caps.native_cpu_status == "ready"
         assert caps.writes_in_place("native", "bfloat16")
-        assert caps.matmuls == kernels.MatmulKernels("native", "native", min_16bit_rows=4)
+        assert caps.matmuls == kernels.MatmulKernels("native", "native", min_16bit_rows=4,
+                                                     onednn_dtypes=caps.matmuls.onednn_dtypes,
+                                                     onednn_min_rows=caps.matmuls.onednn_min_rows,
+                                                     onednn_min_weight_bytes=caps.matmuls.onednn_min_weight_bytes)
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")
@@ -45,6 +48,7 @@ def test_capabilities_answer_on_this_cpu_machine():
 def test_capabilities_of_other_platforms_and_device_counts():
     several = kernels.capabilities("cpu", device_count=8)
     assert several.matmuls.one_row == several.matmuls.weight_only == "xla"  # sharded programs keep XLA's dot
+    assert several.matmuls.onednn_dtypes == ()
     assert several.matmuls.min_16bit_rows == 4                             # XLA:CPU's one-row GEMV
     for name in ("gpu", "cuda"):
         gpu = kernels.capabilities(name)
@@ -69,6 +73,12 @@ def test_matmul_choice_is_checked():
         kernels.MatmulKernels(one_row="triton")
     with pytest.raises(ValueError, match="MatmulKernels.min_16bit_rows"):
         kernels.MatmulKernels(min_16bit_rows=0)
+    with pytest.raises(ValueError, match="MatmulKernels.onednn_dtypes"):
+        kernels.MatmulKernels(onednn_dtypes=("float16",))
+    with pytest.raises(ValueError, match="MatmulKernels.onednn_min_rows"):
+        kernels.MatmulKernels(onednn_min_rows=0)
+    with pytest.raises(ValueError, match="MatmulKernels.onednn_min_weight_bytes"):
+        kernels.MatmulKernels(onednn_min_weight_bytes=-1)
 
 
 def test_runner_hands_its_matmul_choice_to_the_model():

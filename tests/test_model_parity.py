@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_FAMILIES, build_tiny_checkpoint
-from engine_helpers import make_llm, random_prompts, token_ids
+from engine_helpers import count_compilations, make_llm, random_prompts, token_ids
 from jaxrunner import SamplingParams, kernels
 from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.attention import DenseAttention
@@ -72,6 +72,40 @@ def test_bfloat16_one_token_logits_close_to_transformers(tiny_checkpoints, famil
     ours = our_logits(tiny_checkpoints[family], ids, "bfloat16", matmuls=here.matmuls)
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 3e-2
     assert bool(calls) == (here.native_cpu is None)
+
+
+ONEDNN_MISSING = kernels.onednn_unavailable()
+ONEDNN_ALL = kernels.MatmulKernels(onednn_dtypes=("float32", "bfloat16"), onednn_min_rows=2)
+
+
+@pytest.mark.skipif(ONEDNN_MISSING is not None, reason=f"oneDNN unavailable: {ONEDNN_MISSING}")
+@pytest.mark.parametrize("dtype, bar", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_logits_on_onednn_matmuls_match_transformers(tmp_path, dtype, bar):
+    """Every product of several rows through oneDNN (the tied LM head included), against transformers."""
+    path = build_tiny_checkpoint(tmp_path / "tied", "llama", seed=3, tied=True)
+    ids = np.random.default_rng(4).integers(0, 512, 64)
+    ref = hf_logits(path, ids, getattr(torch, dtype))
+    ours = our_logits(path, ids, dtype, matmuls=ONEDNN_ALL)
+    assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= bar
+
+
+@pytest.mark.skipif(ONEDNN_MISSING is not None, reason=f"oneDNN unavailable: {ONEDNN_MISSING}")
+def test_engine_on_onednn_matmuls_matches_transformers_and_serves_without_compiling(tiny_checkpoints):
+    """``cpu_matmul="onednn"``: oneDNN's primitives are made during warm-up, and serving compiles nothing."""
+    path = tiny_checkpoints["llama"]
+    prompts = random_prompts(4, 512, 5, 40, seed=12)
+    llm = make_llm(path, cpu_matmul="onednn")
+    assert llm.startup_report["cpu_matmul"].startswith("onednn") and llm.startup_report["cpu_matmul_reason"] == "asked for"
+    with count_compilations() as compiles:
+        ours = token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                      use_tqdm=False))
+    assert compiles == []
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, got in zip(prompts, ours):
+        ids = torch.tensor(prompt["prompt_token_ids"])[None]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got == out[0, ids.shape[1]:].tolist()
 
 
 def test_tied_embeddings(tmp_path):

@@ -62,7 +62,7 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
             dense = kernels.dequantize_native(w, after=x2)
         else:
             dense = quant.dequantize(w, x.dtype)
-        out = jax.lax.dot_general(x2, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        out = matmul_f32_acc(x2, dense, matmuls, contract=(-1, 1))
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -100,12 +100,26 @@ def matmul_f32_acc(x: jax.Array, w: jax.Array, matmuls: kernels.MatmulKernels,
     native_layout = _native_matmul_layout(x, w, dims, matmuls)
     if native_layout is not None:
         return kernels.small_matmul_native(x, w, transposed=native_layout)
+    onednn_layout = _onednn_layout(x, w, dims, matmuls)
+    if onednn_layout is not None:
+        return kernels.onednn_matmul(x, w, transposed=onednn_layout)
     rows = x.shape[0]
     pad = (x.ndim == 2 and dims[0][0][0] == 1 and rows < matmuls.min_16bit_rows and x.dtype != jnp.float32)
     if pad:
         x = jnp.pad(x, ((0, matmuls.min_16bit_rows - rows), (0, 0)))
     out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
     return out[:rows] if pad else out
+
+
+def _onednn_layout(x, w, dims, matmuls: kernels.MatmulKernels) -> bool | None:
+    """Whether ``w`` is [N, K] (True) or [K, N] (False) when oneDNN's matmul takes this product
+    (``matmuls.onednn_dtypes``, rows, weight size, shapes); None when XLA's dot does."""
+    if x.dtype.name not in matmuls.onednn_dtypes or x.ndim != 2 or w.ndim != 2 or dims[0][0] != (1,):
+        return None
+    if x.shape[0] < matmuls.onednn_min_rows or w.size * w.dtype.itemsize < matmuls.onednn_min_weight_bytes:
+        return None
+    transposed = dims[0][1] == (1,)
+    return transposed if kernels.onednn_supported(x, w, transposed) else None
 
 
 def _native_matmul_layout(x, w, dims, matmuls: kernels.MatmulKernels) -> bool | None:

@@ -162,12 +162,14 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str,
-                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None):
+                 mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None,
+                 matmuls: kernels.MatmulKernels | None = None):
         """``attention_impl``: one of ``kernels.ATTENTION_IMPLS``, chosen at start-up
         (``startup.choose_attention``); ``max_seqs_per_step``: the widest bucket's sequences (the
         length of the token feed);
         ``architecture``: the model functions (default: ``cfg``'s registered family, its linear
-        products where ``kernels.capabilities`` says they run on this platform)."""
+        products where ``matmuls`` says: chosen at start-up by ``kernels.choose_matmuls``, by
+        default ``kernels.capabilities``' choice for this platform)."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
@@ -176,7 +178,9 @@ class ModelRunner:
             raise ValueError(f"attention_impl={attention_impl!r}: the runner takes a chosen implementation, one of "
                              f"{kernels.ATTENTION_IMPLS} (startup.choose_attention resolves 'auto')")
         self.attention_impl = attention_impl
-        self.matmuls = kernels.capabilities(self.device.platform).matmuls  # where the model's products run
+        if matmuls is None:
+            matmuls = kernels.capabilities(self.device.platform).matmuls
+        self.matmuls = matmuls  # where the model's products run
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
         param_shardings = sharding.param_shardings(params, self.mesh, registry.partition_rules(cfg))

@@ -51,6 +51,19 @@ def choose_attention(config: EngineConfig, platform: str, cfg) -> tuple[str, str
     return kernels.choose_impl(config.attention_impl, platform, cfg.head_dim, config.page_size)
 
 
+def choose_matmuls(config: EngineConfig, platform: str):
+    """(where the model's linear products run, why): ``config.cpu_matmul`` resolved on ``platform``."""
+    return kernels.choose_matmuls(config.cpu_matmul, platform)
+
+
+def _matmul_summary(matmuls) -> str:
+    """For the report: "onednn (bfloat16, 16+ rows, weights of 8+ MiB)" or "xla"."""
+    if not matmuls.onednn_dtypes:
+        return "xla"
+    return (f"onednn ({'/'.join(matmuls.onednn_dtypes)}, {matmuls.onednn_min_rows}+ rows, weights of "
+            f"{matmuls.onednn_min_weight_bytes >> 20}+ MiB)")
+
+
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
     """The compute dtype where ``attention_impl``'s page write updates such a pool in place
     (``kernels.capabilities``), else float32, which every write does in place. Bfloat16 on CPU
@@ -111,10 +124,11 @@ def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KV
     largest = max(plan.buckets())
     bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
     spec = dataclasses.replace(template, num_pages=provisional_num_pages(largest, bytes_per_page, room_bytes))
-    impl, _ = choose_attention(config, meshes.local_device(mesh).platform, model.config)
+    platform = meshes.local_device(mesh).platform
+    impl, _ = choose_attention(config, platform, model.config)
     runner = ModelRunner(model.config, model.params, spec, impl, mesh=mesh,
                          max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs,
-                         architecture=model.architecture)
+                         architecture=model.architecture, matmuls=choose_matmuls(config, platform)[0])
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
                                       model.config.vocab_size, max_model_len, config.max_num_prefill_seqs)
     return int(runner.compile(largest, batch).get("temp_bytes", 0))
@@ -160,6 +174,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     device = meshes.local_device(mesh)
     budget = memory.memory_budget(device, config.memory_utilization)
     impl, impl_why = choose_attention(config, device.platform, cfg)
+    matmuls, matmuls_why = choose_matmuls(config, device.platform)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
@@ -172,7 +187,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     t_sized = time.perf_counter()
     runner = ModelRunner(cfg, model.params, spec, impl, mesh=mesh, max_prefill_seqs=config.max_num_prefill_seqs,
                          max_seqs_per_step=max(bucket.num_seqs for bucket in plan.buckets()),
-                         architecture=model.architecture)
+                         architecture=model.architecture, matmuls=matmuls)
     jax.block_until_ready(runner.kv_cache)
     t_alloc = time.perf_counter()
 
@@ -190,6 +205,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
                      activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
     report.update(max_model_len_source=why, compilation_cache_dir=cache_dir, attention_impl_reason=impl_why,
+                  cpu_matmul=_matmul_summary(matmuls), cpu_matmul_reason=matmuls_why,
                   native_cpu_kernel=_native_kernel_status(device.platform),
                   persistent_cache=cache_watch.totals(),
                   startup_s=model.load_seconds + (t_end - t0),

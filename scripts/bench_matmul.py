@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""XLA's dot against oneDNN's matmul (``jaxrunner.kernels.onednn_matmul``) on the products of a
+model's linear layers, in one process, alternating, on this CPU.
+
+Each timed call chains the product over distinct weights (``--layers``, as a step walks the
+layers), so the weights come from memory as they do when serving, not from a warm cache. Prints a table and
+writes one JSON per dtype with the CPU's flags (``benchmarks/results/matmul-<dtype>-<date>-<commit>.json``
+unless ``--output-dir`` says elsewhere): the table in ``kernels/platform_support.py``
+(``ONEDNN_FASTER``) is read off these figures, per CPU kind.
+
+    python scripts/bench_matmul.py                                  # SmolLM2's and a 1B Llama's shapes
+    python scripts/bench_matmul.py --dtypes float32 --rows 16,64,256 --output-dir /tmp
+    XLA_FLAGS=--xla_cpu_use_onednn=true python scripts/bench_matmul.py   # XLA's own oneDNN flag on its side
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as common  # noqa: E402
+
+from jaxrunner import kernels  # noqa: E402
+
+# (name, K, N, weight is [N, K]): the products of one layer and the LM head
+SHAPES = {
+    "smollm2": [("qkv", 576, 960, False), ("o", 576, 576, False), ("gate_up", 576, 3072, False),
+                ("down", 1536, 576, False), ("lm_head", 576, 49152, True)],
+    "llama-1b": [("qkv", 2048, 3072, False), ("o", 2048, 2048, False), ("gate_up", 2048, 16384, False),
+                 ("down", 8192, 2048, False)],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,llama-1b", help=f"shape sets: {', '.join(SHAPES)}")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--rows", default="4,16,32,64,128,256,512", help="rows of the activations")
+    parser.add_argument("--layers", type=int, default=4, help="distinct weights each timed call walks")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median is reported")
+    parser.add_argument("--output-dir", default=common.RESULTS_DIR, help="where the JSON files go")
+    return parser
+
+
+def chained_products(transposed: bool, impl: str):
+    """x times each of a tuple of weights, one after the other (each product waits for the last, as
+    a model's layers do; unrolled: an XLA loop would copy the stacked weights every iteration)."""
+    def product(x, w):
+        if impl == "onednn":
+            return kernels.onednn_matmul(x, w, transposed=transposed)
+        dims = (((1,), (1 if transposed else 0,)), ((), ()))
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+    def run(x, ws):
+        total = None
+        for w in ws:
+            out = product(x, w)
+            x = x + (out[:, :1] * 0).astype(x.dtype)  # the next product depends on this one
+            total = out if total is None else total + out
+        return total
+
+    return jax.jit(run)
+
+
+def seconds_per_call(fn, x, ws, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(x, ws)
+    out.block_until_ready()
+    return (time.perf_counter() - start) / calls / len(ws)
+
+
+def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows: int, args) -> dict:
+    key = jax.random.key(rows)
+    ws = tuple(jax.random.normal(jax.random.fold_in(key, i + 2), (n, k) if transposed else (k, n), dtype)
+               for i in range(args.layers))
+    x = jax.random.normal(jax.random.fold_in(key, 1), (rows, k), dtype)
+    fns = {impl: chained_products(transposed, impl) for impl in ("xla", "onednn")}
+    outs = {impl: fn(x, ws) for impl, fn in fns.items()}
+    error = float(jnp.max(jnp.abs(outs["xla"] - outs["onednn"])) / (jnp.max(jnp.abs(outs["xla"])) + 1e-30))
+    calls = max(3, int(2e9 // (2 * rows * k * n * args.layers)))
+    times = {impl: [] for impl in fns}
+    for _ in range(args.rounds):
+        for impl, fn in fns.items():
+            times[impl].append(seconds_per_call(fn, x, ws, calls))
+    flops = 2 * rows * k * n
+    result = {"model": model, "product": name, "dtype": jnp.dtype(dtype).name, "rows": rows, "k": k, "n": n,
+              "weight_nk": transposed, "max_rel_diff": error}
+    for impl, values in times.items():
+        result[f"{impl}_us"] = statistics.median(values) * 1e6
+        result[f"{impl}_gflops"] = flops / statistics.median(values) / 1e9
+    result["onednn_speedup"] = result["xla_us"] / result["onednn_us"]
+    return result
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    why = kernels.onednn_unavailable()
+    if why is not None:
+        print(f"oneDNN's matmul is unavailable: {why}", file=sys.stderr)
+        return 1
+    for dtype in args.dtypes.split(","):
+        results = []
+        for model in args.models.split(","):
+            for rows in common.parse_int_list(args.rows, "--rows"):
+                for name, k, n, transposed in SHAPES[model]:
+                    results.append(measure(model, name, k, n, transposed, jnp.dtype(dtype), rows, args))
+                    r = results[-1]
+                    print(f"{model} {dtype} {name} rows {rows}: xla {r['xla_gflops']:.0f} GFLOP/s, "
+                          f"onednn {r['onednn_gflops']:.0f} ({r['onednn_speedup']:.2f}x)", file=sys.stderr, flush=True)
+        table = [[r["model"], r["product"], r["rows"], f"{r['xla_gflops']:.0f}", f"{r['onednn_gflops']:.0f}",
+                  f"{r['onednn_speedup']:.2f}"] for r in results]
+        common.print_table(["model", "product", "rows", "XLA GFLOP/s", "oneDNN GFLOP/s", "oneDNN / XLA"], table,
+                           title=f"{dtype}: XLA's dot against oneDNN's matmul (median of alternating rounds)")
+        path = os.path.join(args.output_dir, common.result_name("matmul", dtype) + ".json")
+        common.write_json(path, "matmul", {"xla_flags": os.environ.get("XLA_FLAGS", ""), "layers": args.layers,
+                                           "rounds": args.rounds, "results": results})
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

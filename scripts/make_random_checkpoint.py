@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Write a random-weight Llama checkpoint of a realistic size (HF layout, bf16 safetensors) with
+SmolLM2's tokenizer, for speed benchmarks: speed does not depend on the values, and nothing is
+downloaded.
+
+    python scripts/make_random_checkpoint.py llama-1b ~/models/random-llama-1b
+    python scripts/benchmark_throughput.py --model ~/models/random-llama-1b --dtype bfloat16 \\
+        --compare vllm --vllm-python ~/vllm-cpu/bin/python
+
+Weights ~ N(0, 0.02) and norms 1, as HF initializes them. Needs torch (a benchmark dependency).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import pathlib
+import shutil
+import sys
+
+ASSETS = pathlib.Path(__file__).resolve().parent / "device_assets"  # SmolLM2's config and tokenizer
+SHAPES = {
+    "smollm2": {},  # the committed config as it is: SmolLM2-135M
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64),
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                     num_key_value_heads=8, head_dim=128),
+}
+
+
+def write_checkpoint(shape: str, directory: pathlib.Path, seed: int = 0) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    config = {**json.loads((ASSETS / "config.json").read_text()), **SHAPES[shape]}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ASSETS / name, directory / name)
+    with gzip.open(ASSETS / "tokenizer.json.gz", "rb") as src, open(directory / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    generator = torch.Generator().manual_seed(seed)
+    h, inter, v, dh = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def w(*shape):
+        return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": ones(h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": w(nq * dh, h), p + "self_attn.k_proj.weight": w(nkv * dh, h),
+            p + "self_attn.v_proj.weight": w(nkv * dh, h), p + "self_attn.o_proj.weight": w(h, nq * dh),
+            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter)})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("directory", type=pathlib.Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    config = write_checkpoint(args.shape, args.directory, args.seed)
+    params = sum(p.stat().st_size for p in args.directory.glob("*.safetensors")) // 2
+    print(json.dumps({"directory": str(args.directory), "shape": args.shape, "parameters": params,
+                      "hidden_size": config["hidden_size"], "layers": config["num_hidden_layers"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
