@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from jaxrunner.config import DEFAULT_MODEL  # no JAX
+
 HISTORY_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "benchmarks", "results", "history.csv")
 COLUMNS = ["date", "commit", "benchmark", "dtype", "tensor_parallel", "data_parallel", "engine", "workload",
@@ -68,7 +70,14 @@ def _config_workload(doc: dict) -> str:
     config = doc.get("config") or {}
     keys = ("num_requests", "input_len", "output_len") if doc.get("benchmark") != "startup" else ("input_len",
                                                                                                   "output_len")
-    return " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
+    parts = [f"{k}={config[k]}" for k in keys if config.get(k) is not None]
+    model = config.get("model")
+    if model and model != DEFAULT_MODEL:  # a run on another model is another workload
+        parts.insert(0, f"model={os.path.basename(str(model).rstrip('/'))}")
+    matmul = (config.get("engine") or {}).get("cpu_matmul", "auto")
+    if matmul != "auto":
+        parts.append(f"cpu_matmul={matmul}")
+    return " ".join(parts)
 
 
 def _dtype_label(engine_config: dict) -> str:

@@ -81,3 +81,12 @@ def test_repo_keeps_one_result_of_each_kind_and_the_history():
         assert reader.fieldnames == bench_history.COLUMNS
         benchmarks = {row["benchmark"] for row in reader}
     assert {"throughput", "latency", "startup"} <= benchmarks
+
+
+def test_history_tells_another_model_and_a_forced_matmul_apart():
+    doc = {"benchmark": "throughput", "config": {"model": "/models/random-llama-1b/", "num_requests": 4,
+                                                 "input_len": "8..16", "output_len": 8,
+                                                 "engine": {"dtype": "bfloat16", "cpu_matmul": "xla"}},
+           "results": {"jaxrunner": {"total_tokens_per_s": 1.0}}}
+    rows = bench_history.headline_rows(doc)
+    assert rows[0]["workload"] == "model=random-llama-1b num_requests=4 input_len=8..16 output_len=8 cpu_matmul=xla"
