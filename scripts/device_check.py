@@ -27,11 +27,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gzip
 import json
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 import time
@@ -40,8 +38,9 @@ import zlib
 
 import numpy as np
 
+from make_random_checkpoint import llama_tensors, write_assets  # scripts/ is this script's folder
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ASSETS = REPO / "scripts" / "device_assets"
 
 # name -> (q_lens, kv_lens, make_case kwargs, attention kwargs)
 CHECK_CASES = {
@@ -366,33 +365,10 @@ def build_checkpoint(directory: pathlib.Path, smoke: bool, seed: int = 0) -> dic
     committed config and tokenizer: nothing downloaded. Weights ~ N(0, 0.02), norms 1 (HF's init)."""
     from safetensors.numpy import save_file
 
-    config = json.loads((ASSETS / "config.json").read_text())
-    if smoke:
-        config.update(SMOKE_CONFIG)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(ASSETS / name, directory / name)
-    with gzip.open(ASSETS / "tokenizer.json.gz", "rb") as src, open(directory / "tokenizer.json", "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    config = write_assets(directory, SMOKE_CONFIG if smoke else {})
     rng = np.random.default_rng(seed)
-    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    dh = config["head_dim"]
-    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def w(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02)
-
-    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": np.ones(h, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
-            p + "self_attn.q_proj.weight": w(nq * dh, h), p + "self_attn.k_proj.weight": w(nkv * dh, h),
-            p + "self_attn.v_proj.weight": w(nkv * dh, h), p + "self_attn.o_proj.weight": w(h, nq * dh),
-            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-            p + "mlp.down_proj.weight": w(h, inter)})
+    tensors = llama_tensors(config, lambda *shape: rng.standard_normal(shape, dtype=np.float32) * 0.02,
+                            lambda n: np.ones(n, np.float32))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return config
 

@@ -28,36 +28,45 @@ SHAPES = {
 }
 
 
-def write_checkpoint(shape: str, directory: pathlib.Path, seed: int = 0) -> dict:
-    import torch
-    from safetensors.torch import save_file
-
-    config = {**json.loads((ASSETS / "config.json").read_text()), **SHAPES[shape]}
+def write_assets(directory: pathlib.Path, overrides: dict) -> dict:
+    """The committed config with ``overrides``, the tokenizer and the chat template, written into
+    ``directory``; returns the config."""
+    config = {**json.loads((ASSETS / "config.json").read_text()), **overrides}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     for name in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(ASSETS / name, directory / name)
     with gzip.open(ASSETS / "tokenizer.json.gz", "rb") as src, open(directory / "tokenizer.json", "wb") as dst:
         shutil.copyfileobj(src, dst)
-    generator = torch.Generator().manual_seed(seed)
+    return config
+
+
+def llama_tensors(config: dict, normal, ones) -> dict:
+    """HF Llama parameter names -> tensors: ``normal(*shape)`` for the weights, ``ones(n)`` for the
+    norms (the caller's array library and dtype)."""
     h, inter, v, dh = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def w(*shape):
-        return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-
-    def ones(n):
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": ones(h)}
+    tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": ones(h)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({
             p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
-            p + "self_attn.q_proj.weight": w(nq * dh, h), p + "self_attn.k_proj.weight": w(nkv * dh, h),
-            p + "self_attn.v_proj.weight": w(nkv * dh, h), p + "self_attn.o_proj.weight": w(h, nq * dh),
-            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-            p + "mlp.down_proj.weight": w(h, inter)})
+            p + "self_attn.q_proj.weight": normal(nq * dh, h), p + "self_attn.k_proj.weight": normal(nkv * dh, h),
+            p + "self_attn.v_proj.weight": normal(nkv * dh, h), p + "self_attn.o_proj.weight": normal(h, nq * dh),
+            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter)})
+    return tensors
+
+
+def write_checkpoint(shape: str, directory: pathlib.Path, seed: int = 0) -> dict:
+    """A bf16 checkpoint of ``shape`` (torch writes bf16; weights ~ N(0, 0.02), norms 1)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = write_assets(directory, SHAPES[shape])
+    generator = torch.Generator().manual_seed(seed)
+    tensors = llama_tensors(config, lambda *shape: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16),
+                            lambda n: torch.ones(n, dtype=torch.bfloat16))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return config
 

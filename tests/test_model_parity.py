@@ -22,6 +22,18 @@ def hf_logits(model_dir: str, ids: np.ndarray, dtype=torch.float32) -> np.ndarra
         return model(torch.tensor(ids)[None]).logits[0].float().numpy()
 
 
+def hf_greedy(model_dir: str, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate (float32, EOS ignored) of each prompt's new tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor(prompt["prompt_token_ids"])[None]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, ids.shape[1]:].tolist())
+    return outs
+
+
 def our_logits(model_dir: str, ids: np.ndarray, dtype: str, rows=None, matmuls=kernels.XLA_MATMULS) -> np.ndarray:
     loaded = load_model(model_dir, dtype, progress=False)
     cfg = loaded.config
@@ -100,12 +112,7 @@ def test_engine_on_onednn_matmuls_matches_transformers_and_serves_without_compil
         ours = token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                       use_tqdm=False))
     assert compiles == []
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for prompt, got in zip(prompts, ours):
-        ids = torch.tensor(prompt["prompt_token_ids"])[None]
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert got == out[0, ids.shape[1]:].tolist()
+    assert ours == hf_greedy(path, prompts, 12)
 
 
 def test_tied_embeddings(tmp_path):
@@ -123,9 +130,4 @@ def test_engine_greedy_matches_transformers_generate(tiny_checkpoints, family):
     llm = make_llm(path)
     ours = token_ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                   use_tqdm=False))
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for prompt, got in zip(prompts, ours):
-        ids = torch.tensor(prompt["prompt_token_ids"])[None]
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert got == out[0, ids.shape[1]:].tolist()
+    assert ours == hf_greedy(path, prompts, 12)

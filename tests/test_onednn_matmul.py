@@ -1,10 +1,5 @@
-"""oneDNN's matmul (``kernels/cpu/onednn_matmul.cc``) against a float64 oracle, where the model
-routes a product to it, and how the engine option ``cpu_matmul`` chooses it.
-
-Products of two bf16 values are exact in float32 and oneDNN sums in float32, so the only error is
-float32 summation: the bound is a few float32 ulps of the sum of |products| (float32 operands
-likewise, with one rounding per product).
-"""
+"""oneDNN's matmul (``kernels/cpu/onednn_matmul.cc``) against a float64 oracle (``matmul_oracle``),
+where the model routes a product to it, and how the engine option ``cpu_matmul`` chooses it."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +14,7 @@ from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.kernels import onednn
 from jaxrunner.models import linear
+from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output
 
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 needs_onednn = pytest.mark.skipif(onednn.unavailable_reason() is not None and not X86_LINUX,
@@ -38,13 +34,8 @@ def _normal(rng, shape, scale=1.0, dtype=jnp.bfloat16):
 
 
 def _check(x, w, transposed):
-    got = np.asarray(jax.jit(functools.partial(onednn.onednn_matmul, transposed=transposed))(x, w))
-    x64, w64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
-    w64 = w64.T if transposed else w64
-    want = x64 @ w64
-    bound = 4 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64)) + 1e-30
-    assert got.dtype == np.float32 and got.shape == want.shape
-    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    got = jax.jit(functools.partial(onednn.onednn_matmul, transposed=transposed))(x, w)
+    assert_matches_float64(got, x, w, transposed)
 
 
 @needs_onednn
@@ -60,13 +51,7 @@ def test_matches_a_float64_oracle(rows, k, n, transposed, dtype):
 
 @needs_onednn
 def test_each_output_sees_only_its_own_weights():
-    """A NaN in one weight column poisons exactly that output (no stray reads across tiles)."""
-    rng = np.random.default_rng(0)
-    x = _normal(rng, (33, 64))
-    w = np.asarray(_normal(rng, (64, 48)), np.float32)
-    w[:, 17] = np.nan
-    got = np.asarray(onednn.onednn_matmul(x, jnp.asarray(w, jnp.bfloat16)))
-    assert np.isnan(got[:, 17]).all() and np.isfinite(np.delete(got, 17, axis=1)).all()
+    assert_nan_weight_poisons_only_its_output(onednn.onednn_matmul, rows=33)
 
 
 @pytest.mark.parametrize("x_shape, w_shape, transposed, dtype, w_dtype", [

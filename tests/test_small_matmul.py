@@ -1,10 +1,5 @@
 """The native few-row matmul (``kernels/cpu/small_matmul.cc``, bf16 or float32 operands) against
-a float64 oracle, and where the model routes a product to it.
-
-Products of two bf16 values are exact in float32, so the only error is float32 summation (and one
-rounding per float32 product): the tolerance is a few float32 ulps of the sum of |products|, far
-below one bf16 ulp of the result.
-"""
+a float64 oracle (``matmul_oracle``), and where the model routes a product to it."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +12,7 @@ import pytest
 from jaxrunner import kernels
 from jaxrunner.kernels import native
 from jaxrunner.models import linear as quant_linear
+from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
@@ -27,14 +23,8 @@ def _normal(rng, shape, scale=1.0, dtype=jnp.bfloat16):
 
 
 def _check(x, w, transposed):
-    got = np.asarray(jax.jit(lambda x, w: native.small_matmul_native(x, w, transposed=transposed))(x, w))
-    x64 = np.asarray(x.astype(jnp.float32), np.float64)
-    w64 = np.asarray(w.astype(jnp.float32), np.float64)
-    w64 = w64.T if transposed else w64
-    want = x64 @ w64
-    bound = 4 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64)) + 1e-30
-    assert got.dtype == np.float32 and got.shape == want.shape
-    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    got = jax.jit(functools.partial(native.small_matmul_native, transposed=transposed))(x, w)
+    assert_matches_float64(got, x, w, transposed)
 
 
 DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -59,15 +49,7 @@ def test_weights_n_by_k(rows, n, k, dtype):
 
 
 def test_each_output_sees_only_its_own_weights():
-    """A NaN in one weight column (row, for [N, K]) poisons exactly that output."""
-    rng = np.random.default_rng(0)
-    x = _normal(rng, (2, 64))
-    w = np.asarray(_normal(rng, (64, 48)), np.float32)
-    w[:, 17] = np.nan
-    got = np.asarray(native.small_matmul_native(x, jnp.asarray(w, jnp.bfloat16)))
-    assert np.isnan(got[:, 17]).all() and np.isfinite(np.delete(got, 17, axis=1)).all()
-    got_t = np.asarray(native.small_matmul_native(x, jnp.asarray(w.T, jnp.bfloat16), transposed=True))
-    assert np.isnan(got_t[:, 17]).all() and np.isfinite(np.delete(got_t, 17, axis=1)).all()
+    assert_nan_weight_poisons_only_its_output(native.small_matmul_native, rows=2)
 
 
 @pytest.mark.parametrize("x_shape, w_shape, transposed, dtype, w_dtype", [
