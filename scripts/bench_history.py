@@ -70,11 +70,17 @@ def _config_workload(doc: dict) -> str:
     config = doc.get("config") or {}
     keys = ("num_requests", "input_len", "output_len") if doc.get("benchmark") != "startup" else ("input_len",
                                                                                                   "output_len")
-    parts = [f"{k}={config[k]}" for k in keys if config.get(k) is not None]
-    model = config.get("model")
-    if model and model != DEFAULT_MODEL:  # a run on another model is another workload
+    return " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
+
+
+def _labelled(doc: dict, workload: str) -> str:
+    """``workload`` with what sets the run apart: another model first, a forced CPU matmul last
+    (a 1B run or an A/B arm is not the default workload)."""
+    parts = [workload] if workload else []
+    model = (doc.get("config") or {}).get("model")
+    if model and model != DEFAULT_MODEL:
         parts.insert(0, f"model={os.path.basename(str(model).rstrip('/'))}")
-    matmul = (config.get("engine") or {}).get("cpu_matmul", "auto")
+    matmul = _engine_config(doc).get("cpu_matmul", "auto")
     if matmul != "auto":
         parts.append(f"cpu_matmul={matmul}")
     return " ".join(parts)
@@ -97,7 +103,7 @@ def headline_rows(doc: dict) -> list[dict]:
     for engine, workload, figures in _figures(doc.get("results")):
         if common["benchmark"] == "startup":  # results are keyed by phase: cold and warm cache
             engine, workload = "jaxrunner", f"{engine} compilation cache"
-        workload = workload or _config_workload(doc)
+        workload = _labelled(doc, workload or _config_workload(doc))
         for metric, value in figures.items():
             rows.append({**common, "engine": engine, "workload": workload, "metric": metric,
                          "value": f"{value:.6g}"})

@@ -90,3 +90,10 @@ def test_history_tells_another_model_and_a_forced_matmul_apart():
            "results": {"jaxrunner": {"total_tokens_per_s": 1.0}}}
     rows = bench_history.headline_rows(doc)
     assert rows[0]["workload"] == "model=random-llama-1b num_requests=4 input_len=8..16 output_len=8 cpu_matmul=xla"
+
+
+def test_history_labels_per_row_workloads_too():
+    doc = {"benchmark": "latency", "config": {"model": "/models/random-llama-1b", "engine": {"dtype": "bfloat16"}},
+           "results": [{"engine": "jaxrunner", "batch_size": 1, "input_len": 8, "output_len": 8,
+                        "tpot_s": {"p50": 0.01}}]}
+    assert bench_history.headline_rows(doc)[0]["workload"] == "model=random-llama-1b batch_size=1 input_len=8 output_len=8"
