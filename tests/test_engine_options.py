@@ -69,6 +69,15 @@ def test_max_model_len_over_the_model_limit_is_refused_before_loading(tiny_check
         LLM(tiny_checkpoints["qwen2"], **dict(TINY_ENGINE, max_model_len=10**6))
 
 
+def test_cpu_matmul_onednn_where_it_cannot_run_is_refused_before_loading(tiny_checkpoints, no_loading, monkeypatch):
+    from jaxrunner.kernels import platform_support
+
+    monkeypatch.setattr(platform_support, "onednn_unavailable", lambda platform="cpu": "no libdnnl here")
+    with pytest.raises(ValueError, match=r"cpu_matmul='onednn': oneDNN's matmul is unavailable here "
+                                         r"\(no libdnnl here\); valid here: 'auto' or 'xla'"):
+        LLM(tiny_checkpoints["qwen2"], **dict(TINY_ENGINE, cpu_matmul="onednn"))
+
+
 @pytest.mark.parametrize("field", ["num_pages", "kv_cache_memory_bytes"])
 def test_kv_pool_larger_than_memory_is_refused_with_numbers_before_loading(tiny_checkpoints, no_loading, field):
     from jaxrunner.runner.memory import available_host_bytes

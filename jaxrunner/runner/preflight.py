@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.runner.startup import choose_attention, default_kv_cache_dtype, model_max_len, resolve_max_model_len
+from jaxrunner.runner.startup import (choose_attention, choose_matmuls, default_kv_cache_dtype, model_max_len,
+                                      resolve_max_model_len)
 from jaxrunner.models import registry
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.loading import peek_model
@@ -29,6 +30,8 @@ def check_before_loading(config: EngineConfig) -> None:
     this model on this machine."""
     distributed.initialize_from_env()  # before any device is touched; a no-op unless configured
     meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
+    if config.cpu_matmul != "auto":  # oneDNN missing here, or several devices: refused before any weight is read
+        choose_matmuls(config, jax.local_devices()[0].platform)
     draft = _peek_draft(config)  # first: the target's GGUF, parsed last, stays cached for its load
     peek = peek_model(config.model)
     cfg = peek.config
