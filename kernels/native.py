@@ -222,7 +222,8 @@ def small_matmul_native(x, w, *, transposed: bool = False):
 
 
 def cpu_features() -> list[str]:
-    """The vector extensions this CPU reports (what ``-march=native`` builds the kernels for)."""
+    """The vector and matrix extensions this CPU reports: what ``-march=native`` builds the kernels
+    for, and the flags ``platform_support.ONEDNN_FASTER`` is keyed by (AMX)."""
     flags = set(_cpu_flags().split())
     names = ("amx_bf16", "amx_int8", "avx512f", "avx512_vnni", "avx512_bf16", "avx2", "avx_vnni", "fma")
     return [name for name in names if name in flags]

@@ -57,7 +57,7 @@ def choose_matmuls(config: EngineConfig, platform: str):
 
 
 def _matmul_summary(matmuls) -> str:
-    """For the report: "onednn (bfloat16, 16+ rows, weights of 8+ MiB)" or "xla"."""
+    """For the report: "onednn (bfloat16, 8+ rows, weights of 8+ MiB)" or "xla"."""
     if not matmuls.onednn_dtypes:
         return "xla"
     return (f"onednn ({'/'.join(matmuls.onednn_dtypes)}, {matmuls.onednn_min_rows}+ rows, weights of "
