@@ -5,7 +5,8 @@
 * GPU: the Pallas (Triton) kernel when ``head_dim`` is a power of two from 16 to 256 (Triton
   tiles are powers of two and ``tl.dot`` needs K >= 16), else the plain-XLA path;
 * TPU: jax's own ragged paged attention kernel (``jax_tpu``) when ``head_dim`` is a multiple of
-  128 (its lane layout) and the installed jax ships it, else our Pallas (Mosaic) kernel when
+  128 (its lane layout), the KV-head count is one it tiles (``jax_tpu.heads_refused``: 3, 6 or
+  12 bf16 KV heads are not) and the installed jax ships it, else our Pallas (Mosaic) kernel when
   pages hold at least 2 rows (Mosaic rejects its one-row page slices), else plain XLA;
 * CPU: the native kernel (``cpu/paged_attention.cc`` through XLA's FFI, built on first use) when
   a C++ compiler can build it and it takes ``head_dim``, else the plain-XLA path. Pallas only
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 
+from jaxrunner.kernels import jax_tpu
 from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO
 from jaxrunner.kernels.platform_support import capabilities
 from jaxrunner.kernels.native import supports as supports_head_dim
@@ -28,10 +30,12 @@ def triton_supports(head_dim: int | None) -> bool:
 
 
 def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
-                page_size: int | None = None) -> tuple[str, str]:
+                page_size: int | None = None, num_kv_heads: int | None = None, num_q_heads: int | None = None,
+                kv_dtype=None) -> tuple[str, str]:
     """``(implementation, why)`` for ``impl`` on ``platform`` (default backend), for heads of
-    ``head_dim`` and pages of ``page_size`` rows (None: unknown, any size the implementation
-    takes). What runs on the platform at all is :func:`capabilities`' answer."""
+    ``head_dim``, pages of ``page_size`` rows, ``num_kv_heads``/``num_q_heads`` heads as the kernel
+    sees them (per shard) and a ``kv_dtype`` pool (None: unknown; the TPU choice then assumes
+    the strictest case). What runs on the platform at all is :func:`capabilities`' answer."""
     if impl in ATTENTION_IMPLS:
         return impl, "asked for"
     if impl != AUTO:
@@ -43,10 +47,13 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
         return "xla", (f"GPU: head_dim {head_dim} is not a power of two in [16, 256], which the "
                        "Triton kernel's tiles need; plain XLA instead")
     if caps.platform == "tpu":
-        missing = caps.attention["jax_tpu"]
-        if missing is None and (head_dim is None or head_dim % 128 == 0):
+        why = caps.attention["jax_tpu"]
+        if why is None and head_dim is not None and head_dim % 128:
+            why = f"head_dim {head_dim} is not a multiple of 128, which jax's TPU kernel needs"
+        if why is None and num_kv_heads is not None:
+            why = jax_tpu.heads_refused(num_kv_heads, num_q_heads, kv_dtype)
+        if why is None:
             return "jax_tpu", "TPU: jax's ragged paged attention kernel"
-        why = missing or f"head_dim {head_dim} is not a multiple of 128, which jax's TPU kernel needs"
         if page_size == 1:
             return "xla", f"TPU: {why}, and our Mosaic kernel needs pages of 2+ rows; plain XLA instead"
         return "pallas", f"TPU: {why}; our Pallas Mosaic kernel instead"
@@ -58,9 +65,23 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
 
 
 def resolve_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
-                 page_size: int | None = None) -> str:
+                 page_size: int | None = None, num_kv_heads: int | None = None, num_q_heads: int | None = None,
+                 kv_dtype=None) -> str:
     """The concrete implementation ``impl`` stands for (see :func:`choose_impl`)."""
-    return choose_impl(impl, platform, head_dim, page_size)[0]
+    return choose_impl(impl, platform, head_dim, page_size, num_kv_heads, num_q_heads, kv_dtype)[0]
+
+
+def kv_pool_shapes(impl: str, num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The shapes of the pools one layer's cache holds for ``impl`` (a concrete implementation):
+    ``(k_pages, v_pages)``, each [P, page_size, Hkv, D]; for ``jax_tpu`` the one pool its kernel
+    reads, [P, page_size, 2 * Hkv, D] with K at even heads, so that no step copies pages into it.
+    :func:`write_kv_and_attend` takes the pools in this layout."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "jax_tpu":
+        return ((num_pages, page_size, 2 * num_kv_heads, head_dim),)
+    return ((num_pages, page_size, num_kv_heads, head_dim),) * 2
 
 
 def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
@@ -76,6 +97,10 @@ def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, slid
         raise ValueError(f"head_dim mismatch: q {head_dim}, pages {k_pages.shape[3]}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    _check_batch(kv_lens, page_indices, cu_q_lens, sliding_window, soft_cap)
+
+
+def _check_batch(kv_lens, page_indices, cu_q_lens, sliding_window, soft_cap):
     if page_indices.ndim != 2 or kv_lens.shape != page_indices.shape[:1]:
         raise ValueError(f"page_indices {page_indices.shape} / kv_lens {kv_lens.shape} mismatch")
     if cu_q_lens.shape != (page_indices.shape[0] + 1,):
@@ -102,11 +127,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                    return_pools=False)
 
 
-def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens, page_indices, cu_q_lens,
-                        num_seqs, *, sm_scale, sliding_window=None, soft_cap=None, impl="auto",
-                        max_prefill_seqs=None):
+def write_kv_and_attend(q, k_new, v_new, pools, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                        sm_scale, sliding_window=None, soft_cap=None, impl="auto", max_prefill_seqs=None):
     """One layer of a model step: :func:`write_kv_pages`, then :func:`ragged_paged_attention` over
-    the written pools. Returns ``(out, k_pages, v_pages)``.
+    the written pools. ``pools`` is the layer's cache in :func:`kv_pool_shapes`' layout:
+    ``(k_pages, v_pages)``, or ``(kv_pages,)``, jax's combined pool, which only ``jax_tpu`` reads
+    (``jax_tpu`` over two pools gathers the batch's pages at every call). Returns ``(out, pools)``.
 
     Prefer it to the two calls when the pools are a donated output of the step: the xla path
     threads the pools through its loops and returns those, so XLA keeps one buffer per pool.
@@ -114,16 +140,46 @@ def write_kv_and_attend(q, k_new, v_new, k_pages, v_pages, slot_mapping, kv_lens
     it, and XLA copies the whole pool at every layer (measured: 60 pool copies per SmolLM2 decode
     step, 18 ms of a 46 ms batch-1 token on CPU).
     """
-    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1])  # one choice for the write and the attention
+    # one choice for the write and the attention
+    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=pools[0].shape[1], num_kv_heads=k_new.shape[1],
+                        num_q_heads=q.shape[1], kv_dtype=pools[0].dtype)
+    if len(pools) == 1:
+        return _write_combined_and_attend(q, k_new, v_new, pools[0], slot_mapping, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                                          soft_cap=soft_cap, impl=impl)
+    if len(pools) != 2:
+        raise ValueError(f"pools: expected (k_pages, v_pages) or jax_tpu's (kv_pages,), got {len(pools)} arrays")
+    k_pages, v_pages = pools
     if impl == "native":  # in place for bf16 pools too
         from jaxrunner.kernels.native import write_kv_pages_native as write_kv_pages
     else:
         from jaxrunner.kernels.kv_write import write_kv_pages
 
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
-    return _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                   sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, max_prefill_seqs=max_prefill_seqs,
-                   return_pools=True)
+    out, k_pages, v_pages = _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                    sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                                    max_prefill_seqs=max_prefill_seqs, return_pools=True)
+    return out, (k_pages, v_pages)
+
+
+def _write_combined_and_attend(q, k_new, v_new, kv_pages, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, sm_scale, sliding_window, soft_cap, impl):
+    """``jax_tpu`` over its own layout: the step's K/V scattered into the combined pool in place,
+    the page table handed to jax's kernel as it is."""
+    from jaxrunner.kernels.kv_write import write_kv_pages_combined
+
+    if impl != "jax_tpu":
+        raise ValueError(f"pools: one combined pool is jax_tpu's layout, but impl is {impl!r}; pass "
+                         f"(k_pages, v_pages) for it, or impl='jax_tpu' (see kv_pool_shapes)")
+    if q.ndim != 3 or q.shape[2] != kv_pages.shape[3] or q.shape[1] % k_new.shape[1]:
+        raise ValueError(f"q {q.shape} does not fit the combined pool {kv_pages.shape}: expected [T, Hq, "
+                         f"{kv_pages.shape[3]}] with Hq a multiple of the pool's {kv_pages.shape[2] // 2} KV heads")
+    _check_batch(kv_lens, page_indices, cu_q_lens, sliding_window, soft_cap)
+    kv_pages = write_kv_pages_combined(kv_pages, k_new, v_new, slot_mapping)
+    out = jax_tpu.attend_combined(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
+                                  sliding_window=None if sliding_window is None else int(sliding_window),
+                                  soft_cap=None if soft_cap is None else float(soft_cap))
+    return out, (kv_pages,)
 
 
 def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
@@ -131,7 +187,8 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     """Checks, the choice of implementation, and (``return_pools``) the pools to continue with."""
     _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
            soft_cap)
-    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1])
+    impl = resolve_impl(impl, head_dim=q.shape[-1], page_size=k_pages.shape[1], num_kv_heads=k_pages.shape[2],
+                        num_q_heads=q.shape[1], kv_dtype=k_pages.dtype)
     kw = dict(sm_scale=float(sm_scale),
               sliding_window=None if sliding_window is None else int(sliding_window),
               soft_cap=None if soft_cap is None else float(soft_cap))

@@ -5,7 +5,8 @@ row-major, so slot ``page * page_size + offset`` is row ``slot``) and the new ro
 with ``.at[slots].set``. Under buffer donation (the engine donates the cache into its jitted step)
 XLA performs the scatter in place: the cost is O(T * Hkv * D), independent of the pool size
 (``tests/test_kernels.py`` checks the compiled HLO has no pool-sized copy and that the outputs
-are the donated input buffers).
+are the donated input buffers). ``jax_tpu``'s combined pool ``[P, page_size, 2 * Hkv, D]`` is
+written the same way, a token's K and V interleaved into one row (:func:`write_kv_pages_combined`).
 
 Caveat, XLA:CPU and 16-bit pools: XLA:CPU has no bf16/f16 scatter; it "normalises" one by
 converting the whole pool to f32, scattering, and converting back -- O(pool) per call (measured:
@@ -37,8 +38,31 @@ def check_write_shapes(k_pages, v_pages, k_new, v_new, slot_mapping) -> None:
 def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Scatter ``k_new``/``v_new`` [T, Hkv, D] into the pools at flat ``slot_mapping`` [T]."""
     check_write_shapes(k_pages, v_pages, k_new, v_new, slot_mapping)
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    return _scatter_rows(k_pages, k_new, slot_mapping), _scatter_rows(v_pages, v_new, slot_mapping)
+
+
+def write_kv_pages_combined(kv_pages, k_new, v_new, slot_mapping):
+    """Scatter ``k_new``/``v_new`` [T, Hkv, D] into jax's combined pool ``kv_pages``
+    [P, page_size, 2 * Hkv, D] (K at even heads, V at odd: ``jax_tpu``'s layout) at flat
+    ``slot_mapping`` [T]: one scatter of rows that hold both, in place under donation like
+    :func:`write_kv_pages`."""
+    num_tokens, num_kv_heads, head_dim = k_new.shape
+    if kv_pages.ndim != 4 or kv_pages.shape[2:] != (2 * num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new/v_new {k_new.shape}/{v_new.shape} do not match the combined pool "
+                         f"{kv_pages.shape}: expected [P, page_size, {2 * num_kv_heads}, {head_dim}]")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {num_tokens}")
+    rows = jnp.stack([k_new.astype(kv_pages.dtype), v_new.astype(kv_pages.dtype)], axis=2)  # [T, Hkv, 2, D]
+    return _scatter_rows(kv_pages, rows.reshape(num_tokens, 2 * num_kv_heads, head_dim), slot_mapping)
+
+
+def _scatter_rows(pool, new, slot_mapping):
+    """``new`` [T, H, D] scattered into ``pool`` [P, page_size, H, D] at flat ``slot_mapping``.
+
+    The pool is viewed as [P * page_size, H, D]: only leading dims merge, so the view is free on
+    TPU too, whose layouts tile the two minor dims."""
+    num_pages, page_size = pool.shape[:2]
+    flat = (num_pages * page_size, *pool.shape[2:])
     # An out-of-range slot (a bug upstream) is sent to the scratch page rather than clamped onto a
     # live page.
     slots = jnp.asarray(slot_mapping, jnp.int32)
@@ -49,7 +73,6 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
         # (measured: 60 pool copies per batch-1 decode step of SmolLM2). A second row aimed at the
         # scratch page keeps it a real scatter, which is in place.
         slots = jnp.concatenate([slots, jnp.full((1,), SCRATCH_PAGE * page_size, jnp.int32)])
-        k_new, v_new = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k_new, v_new))
-    k = k_pages.reshape(flat).at[slots].set(k_new.astype(k_pages.dtype), mode="promise_in_bounds")
-    v = v_pages.reshape(flat).at[slots].set(v_new.astype(v_pages.dtype), mode="promise_in_bounds")
-    return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
+        new = jnp.concatenate([new, jnp.zeros_like(new)])
+    written = pool.reshape(flat).at[slots].set(new.astype(pool.dtype), mode="promise_in_bounds")
+    return written.reshape(pool.shape)

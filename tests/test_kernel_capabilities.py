@@ -107,6 +107,43 @@ def test_runner_hands_its_matmul_choice_to_the_model():
     assert portable.lower(batch).as_text().count(native.MATMUL_TARGET_NAME) == 0
 
 
+def test_cache_takes_the_layout_its_attention_reads():
+    """Every implementation but ``jax_tpu`` keeps K and V in two pools per layer; ``jax_tpu`` one
+    combined pool, jax's kernel's own layout (no page is copied into it per step), of the same size."""
+    from jaxrunner.runner.model_runner import KVCacheSpec
+
+    spec = KVCacheSpec(6, 8, 3, 2, 16, "float32")
+    for impl, shapes in (("xla", [(6, 8, 2, 16)] * 2), ("jax_tpu", [(6, 8, 4, 16)])):
+        cache = spec.allocate(attention_impl=impl)
+        assert len(cache) == 3 and all([pool.shape for pool in layer] == shapes for layer in cache), impl
+        assert sum(pool.nbytes for layer in cache for pool in layer) == spec.nbytes
+
+
+@pytest.mark.parametrize("kv_heads,tp,kv_dtype,want", [
+    (12, 1, "bfloat16", "pallas"),   # bf16: 1, 2, 4 or a multiple of 8
+    (12, 1, "float32", "jax_tpu"),   # float32 also multiples of 4 (with 2+ query heads each)
+    (12, 1, None, "pallas"),         # the pool's dtype unknown: only what both take
+    (12, 3, "bfloat16", "jax_tpu"),  # 4 KV heads per shard
+    (16, 2, "bfloat16", "jax_tpu"),  # 8 per shard
+    (12, 2, "bfloat16", "pallas"),   # 6 per shard
+    (2, 4, "bfloat16", "jax_tpu"),   # fewer KV heads than shards: one copy per shard
+])
+def test_start_up_judges_the_kv_heads_of_one_shard(kv_heads, tp, kv_dtype, want):
+    """On TPU ``auto`` asks jax's kernel about the heads each shard holds, in the pool's dtype."""
+    from jaxrunner import EngineConfig
+    from jaxrunner.kernels import jax_tpu
+    from jaxrunner.models.config import ModelConfig
+    from jaxrunner.runner.startup import choose_attention
+
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    cfg = ModelConfig("llama", 256, 64, 128, 2, num_heads=2 * kv_heads * max(1, tp // kv_heads), num_kv_heads=kv_heads,
+                      head_dim=128, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    impl, why = choose_attention(EngineConfig(tensor_parallel_size=tp), "tpu", cfg, kv_dtype)
+    assert impl == want, why
+
+
 # ----------------------------------------------------------------------------- implementation names
 def test_implementation_names_are_one_tuple():
     from jaxrunner import cli, config

@@ -8,10 +8,12 @@ abstract device to lower for a platform the host lacks: ``kernels.testing.loweri
 from __future__ import annotations
 
 import functools
+import math
 import re
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -77,6 +79,144 @@ def test_jax_tpu_kernel_lowers(shape, attn):
                     case, "tpu")
     assert "tpu_custom_call" in lowered.as_text()
     assert lowered.out_info.shape == case.q.shape
+
+
+def lowers(fn, *args) -> bool:
+    try:
+        with lowering_context("tpu"):
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+    except Exception:  # noqa: BLE001 - the kernel refuses the shapes, whatever it raises
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_jax_tpu_kv_head_rule_is_what_the_kernel_lowers(dtype):
+    """``jax_tpu.heads_refused`` (what ``auto`` reads) says yes exactly where jax's kernel lowers
+    for TPU: KV heads 1..16, one or two query heads each, head_dim 128; with the query heads or the
+    dtype unknown, only where it lowers."""
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    kernel = functools.partial(ragged_paged_attention, sm_scale=0.1, num_kv_pages_per_block=8,
+                               num_queries_per_block=16)
+    seqs, width, tokens = 4, 8, 16
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    meta = (i32((seqs,)), i32((seqs, width)), i32((seqs + 1,)), i32((1,)))
+    for kv_heads in range(1, 17):
+        for group in (1, 2):
+            q = jax.ShapeDtypeStruct((tokens, group * kv_heads, 128), dtype)
+            pool = jax.ShapeDtypeStruct((64, 16, 2 * kv_heads, 128), dtype)
+            takes = jax_tpu.heads_refused(kv_heads, group * kv_heads, dtype) is None
+            assert takes == lowers(kernel, q, pool, *meta), (kv_heads, group)
+            unknowns = (jax_tpu.heads_refused(kv_heads), jax_tpu.heads_refused(kv_heads, group * kv_heads))
+            assert takes or all(why is not None for why in unknowns)  # unknown: only what lowers
+
+
+@pytest.mark.parametrize("kv_heads", [3, 6, 12])
+def test_auto_on_tpu_lowers_for_kv_heads_jax_refuses(kv_heads):
+    """Where jax's kernel refuses the KV heads, ``auto`` picks our Mosaic kernel, which lowers."""
+    impl, why = kernels.choose_impl("auto", "tpu", 128, 16, num_kv_heads=kv_heads, num_q_heads=2 * kv_heads,
+                                    kv_dtype="bfloat16")
+    assert impl == "pallas" and "KV heads" in why
+    case = make_case(np.random.default_rng(kv_heads), [1, 4], [40, 20], num_q_heads=2 * kv_heads,
+                     num_kv_heads=kv_heads, head_dim=128, page_size=16, num_tokens=8, max_seqs=3,
+                     dtype="bfloat16", poison=False)
+    lower(functools.partial(ragged_paged_attention_pallas, sm_scale=0.1, variant="tpu", interpret=False),
+          case, "tpu")
+    assert not lowers(functools.partial(jax_tpu.ragged_paged_attention_jax_tpu, sm_scale=0.1), *case.args())
+
+
+# 64 sequences of 8k tokens in pages of 16, 8 KV heads of 128, 32 query heads: a decode step's layer
+SEQS, CONTEXT, PAGE, KV_HEADS, Q_HEADS, HEAD_DIM = 64, 8192, 16, 8, 32, 128
+WIDTH = CONTEXT // PAGE
+POOL_PAGES = SEQS * WIDTH + 1
+
+
+def layer_args(dtype, combined: bool):
+    """A ``write_kv_and_attend`` call's arguments as shapes: the layer's pools (jax's one combined
+    pool, or K and V apart) and a decode step's metadata."""
+    tokens = SEQS
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    heads = jax.ShapeDtypeStruct((tokens, KV_HEADS, HEAD_DIM), dtype)
+    pools = ((jax.ShapeDtypeStruct((POOL_PAGES, PAGE, 2 * KV_HEADS, HEAD_DIM), dtype),) if combined else
+             (jax.ShapeDtypeStruct((POOL_PAGES, PAGE, KV_HEADS, HEAD_DIM), dtype),) * 2)
+    return (jax.ShapeDtypeStruct((tokens, Q_HEADS, HEAD_DIM), dtype), heads, heads, pools, i32((tokens,)),
+            i32((SEQS,)), i32((SEQS, WIDTH)), i32((SEQS + 1,)), i32(()))
+
+
+def jax_tpu_layer(q, k, v, pools, *meta):
+    return kernels.write_kv_and_attend(q, k, v, pools, *meta, sm_scale=0.1, impl="jax_tpu")
+
+
+def pool_sized_ops(lowered, pool_elements: int) -> set[str]:
+    """The ops of a lowered module (its StableHLO, nested regions included) with a result of at
+    least a quarter of a pool: any copy of the batch's pages has one."""
+    from jax.extend.mlir import ir
+
+    names = set()
+
+    def visit(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    sizes = [math.prod(r.type.shape) for r in inner.results if isinstance(r.type, ir.RankedTensorType)]
+                    if sizes and 4 * max(sizes) >= pool_elements:
+                        names.add(inner.operation.name)
+                    visit(inner.operation)
+
+    visit(lowered.compiler_ir("stablehlo").operation)
+    return names
+
+
+def test_jax_tpu_layer_at_64x8k_copies_no_pages():
+    """The engine's ``jax_tpu`` layer at 64 sequences x 8k context (bf16: a 2 GiB pool per layer)
+    hands XLA:TPU a program whose only pool-sized ops are free views (reshapes that merge leading
+    dims), the scatter of the step's rows into the donated pool (in place) and jax's kernel reading
+    the pool where it lies. The two-pool path, for contrast, gathers the batch's pages into a pool
+    of their own, the per-layer copy the combined layout removes."""
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    pool_elements = POOL_PAGES * PAGE * 2 * KV_HEADS * HEAD_DIM
+    with lowering_context("tpu"):
+        lowered = jax.jit(jax_tpu_layer, donate_argnums=3).trace(*layer_args(jnp.bfloat16, True)).lower(
+            lowering_platforms=("tpu",))
+        two_pools = jax.jit(jax_tpu_layer, donate_argnums=3).trace(*layer_args(jnp.bfloat16, False)).lower(
+            lowering_platforms=("tpu",))
+    text = lowered.as_text()
+    assert "tpu_custom_call" in text and "tf.aliasing_output" in text  # the pool is donated into its output
+    ops = pool_sized_ops(lowered, pool_elements) - {"sdy.sharding_constraint"}  # the abstract mesh's notes
+    assert ops == {"stablehlo.reshape", "stablehlo.scatter"}
+    assert {"stablehlo.gather", "stablehlo.concatenate"} <= pool_sized_ops(two_pools, pool_elements)
+
+
+def test_jax_tpu_layer_at_64x8k_plans_temporaries_far_under_the_pool(monkeypatch):
+    """XLA's own plan for the same layer: compiled for this CPU with jax's kernel stood in for by
+    an opaque call that reads the pool where it lies (on TPU the kernel's working set is its VMEM
+    scratch, not an XLA temporary), the temporaries XLA plans are a few hundred KB beside a 4 GiB
+    pool: the page table reaches the kernel as it is, and nothing is copied per layer. float32
+    pools: XLA:CPU has no bf16 scatter and would convert the whole pool (``kv_write.py``), which
+    XLA:TPU does not. The two-pool path plans temporaries as large as the pool itself."""
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    import jax.experimental.pallas.ops.tpu.ragged_paged_attention as jax_rpa
+
+    def opaque_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **_):
+        return jax.pure_callback(lambda *_: np.zeros(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                 q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    monkeypatch.setattr(jax_rpa, "ragged_paged_attention", opaque_kernel)
+    pool_bytes = POOL_PAGES * PAGE * 2 * KV_HEADS * HEAD_DIM * 4
+
+    def temp_bytes(combined: bool) -> int:
+        compiled = jax.jit(jax_tpu_layer, donate_argnums=3).trace(*layer_args(jnp.float32, combined)).lower().compile()
+        analysis = compiled.memory_analysis()
+        assert analysis.alias_size_in_bytes == pool_bytes  # the pools are updated in place
+        return analysis.temp_size_in_bytes
+
+    assert temp_bytes(combined=True) < pool_bytes // 1000
+    assert temp_bytes(combined=False) >= pool_bytes // 2  # the batch's pages, gathered
 
 
 def test_split_kv_is_chosen_for_few_long_sequences():
@@ -155,3 +295,4 @@ def test_auto_picks_an_impl_that_lowers(platform, head_dim, page_size):
         assert "2+ rows" in why
         with pytest.raises(Exception):
             lower(functools.partial(fns["pallas"], sm_scale=0.1), case, platform)
+

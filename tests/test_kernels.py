@@ -272,6 +272,88 @@ def test_jax_tpu_layout_adapter():
     np.testing.assert_allclose(np.asarray(out)[:n], want[:n], rtol=1e-5, atol=1e-5)
 
 
+def test_auto_on_tpu_avoids_kv_heads_jax_refuses():
+    """jax's TPU kernel tiles 1, 2, 4 or a multiple of 8 bf16 KV heads; float32 pools also take
+    multiples of 4, though not 8+ KV heads with one query head each (tests/test_kernel_lowering.py
+    lowers the kernel for all of them). Elsewhere ``auto`` takes our Mosaic kernel, and says why."""
+    from jaxrunner.kernels import jax_tpu
+
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+
+    def choose(kv_heads, group=4, kv_dtype="bfloat16", page_size=16):
+        return kernels.choose_impl("auto", "tpu", 128, page_size, num_kv_heads=kv_heads,
+                                   num_q_heads=group * kv_heads, kv_dtype=kv_dtype)
+
+    for kv_heads in (1, 2, 4, 8, 16, 32):
+        assert choose(kv_heads)[0] == "jax_tpu"
+    for kv_heads in (3, 6, 12):
+        impl, why = choose(kv_heads)
+        assert impl == "pallas" and f"{kv_heads} KV heads" in why and "multiple of 8" in why
+    assert choose(12, kv_dtype="float32")[0] == "jax_tpu"
+    assert choose(8, group=1, kv_dtype="float32")[0] == "pallas"      # MHA: query blocks of 4 rows
+    assert choose(8, group=1, kv_dtype="bfloat16")[0] == "jax_tpu"
+    assert choose(12, kv_dtype=None)[0] == "pallas"                   # unknown dtype: what both take
+    assert choose(6, page_size=1)[0] == "xla"                         # nor Mosaic: one-row pages
+    assert kernels.resolve_impl("auto", "tpu", head_dim=128, num_kv_heads=8) == "pallas"  # unknown Hq, dtype
+    assert kernels.resolve_impl("auto", "tpu", head_dim=128, num_kv_heads=4) == "jax_tpu"
+
+
+def test_kv_pool_shapes_follow_the_implementation():
+    assert kernels.kv_pool_shapes("jax_tpu", 9, 16, 3, 128) == ((9, 16, 6, 128),)
+    for impl in ("xla", "native", "pallas", "reference"):
+        assert kernels.kv_pool_shapes(impl, 9, 16, 3, 128) == ((9, 16, 3, 128),) * 2
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kernels.kv_pool_shapes("auto", 9, 16, 3, 128)
+
+
+@pytest.mark.parametrize("num_tokens,poison", [(1, False), (10, True)])
+def test_jax_tpu_combined_pool_like_the_engine(monkeypatch, num_tokens, poison):
+    """The engine's ``jax_tpu`` layer over its one combined pool: the step's K/V land at K's even
+    and V's odd heads (the pool two written pools would combine into), and the kernel reads it
+    through the page table as given. jax's kernel runs on TPU only; its own reference stands in for
+    it, so everything around the kernel runs here: the write, the metadata sanitising, the zeroed
+    padding rows."""
+    from jaxrunner.kernels import jax_tpu
+
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    import jax.experimental.pallas.ops.tpu.ragged_paged_attention as jax_rpa
+
+    def reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, num_kv_pages_per_block,
+                         num_queries_per_block, **kw):
+        out = jax_rpa.ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+        return jnp.full_like(q, jnp.nan).at[:out.shape[0]].set(out)  # rows past the live ones: garbage
+
+    monkeypatch.setattr(jax_rpa, "ragged_paged_attention", reference_kernel)
+    rng = np.random.default_rng(num_tokens)
+    q_lens, kv_lens = ([1], [30]) if num_tokens == 1 else ([1, 5, 2], [33, 16, 40])
+    case = make_case(rng, q_lens, kv_lens, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=8,
+                     num_tokens=num_tokens, max_seqs=len(q_lens) + 2, poison=poison)
+    slots = np.full(num_tokens, kernels.SCRATCH_PAGE * 8 + 3, np.int32)  # padding: the scratch page
+    row = 0
+    for s, (q_len, kv_len) in enumerate(zip(case.q_lens, case.live_kv_lens)):
+        for pos in range(kv_len - q_len, kv_len):
+            slots[row] = case.page_indices[s, pos // 8] * 8 + pos % 8
+            row += 1
+    k_new = rng.standard_normal((num_tokens, 2, 128)).astype(np.float32)
+    v_new = rng.standard_normal((num_tokens, 2, 128)).astype(np.float32)
+    kv_pages = np.stack([case.k_pages, case.v_pages], axis=3).reshape(*case.k_pages.shape[:2], 4, 128)
+
+    out, (kv_written,) = kernels.write_kv_and_attend(
+        case.q, k_new, v_new, (jnp.asarray(kv_pages),), slots, *case.args()[3:], sm_scale=0.1, impl="jax_tpu")
+    k_written, v_written = kernels.write_kv_pages(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages), k_new,
+                                                  v_new, slots)
+    np.testing.assert_array_equal(np.asarray(kv_written)[:, :, 0::2], np.asarray(k_written))
+    np.testing.assert_array_equal(np.asarray(kv_written)[:, :, 1::2], np.asarray(v_written))
+    case.k_pages, case.v_pages = np.asarray(k_written), np.asarray(v_written)
+    check(out, case, "float32", sm_scale=0.1)
+    assert not np.asarray(out)[case.num_live_tokens:].any()  # padding rows: zeros
+    with pytest.raises(ValueError, match="combined pool"):
+        kernels.write_kv_and_attend(case.q, k_new, v_new, (jnp.asarray(kv_pages),), slots, *case.args()[3:],
+                                    sm_scale=0.1, impl="xla")
+
+
 def test_xla_chunks_sized_for_the_platform():
     """CPU: chunks that fit a core's L2; GPU/TPU: far fewer, larger loop steps."""
     from jaxrunner.kernels.xla import _chunk_rows
@@ -492,8 +574,8 @@ def test_auto_falls_back_for_heads_the_native_kernel_does_not_take():
     check(out, case, "float32", sm_scale=0.1)
     k_new = jnp.zeros((8, 2, 72))
     slots = jnp.full((8,), kernels.SCRATCH_PAGE * 8, jnp.int32)  # writes only the scratch page
-    out, _, _ = jax.jit(functools.partial(kernels.write_kv_and_attend, sm_scale=0.1))(
-        args[0], k_new, k_new, args[1], args[2], slots, *args[3:])
+    out, _ = jax.jit(functools.partial(kernels.write_kv_and_attend, sm_scale=0.1))(
+        args[0], k_new, k_new, (args[1], args[2]), slots, *args[3:])
     check(out, case, "float32", sm_scale=0.1)
 
 
@@ -512,6 +594,7 @@ def test_resolve_impl():
     assert impl == "pallas" and "64" in why
     for impl in kernels.ATTENTION_IMPLS:
         assert kernels.resolve_impl(impl, "tpu") == impl
+        assert kernels.resolve_impl(impl, "tpu", head_dim=128, num_kv_heads=3) == impl  # asked for: kept
     with pytest.raises(ValueError):
         kernels.resolve_impl("triton")
     assert kernels.SCRATCH_PAGE == 0
@@ -648,7 +731,7 @@ def test_model_step_shape_keeps_pools_in_place(num_tokens, impl, dtype):
     def step(cache, q, k, v, slots, *meta):
         outs, new = [], []
         for kp, vp in cache:
-            out, kp, vp = kernels.write_kv_and_attend(q, k, v, kp, vp, slots, *meta, sm_scale=0.1, impl=impl)
+            out, (kp, vp) = kernels.write_kv_and_attend(q, k, v, (kp, vp), slots, *meta, sm_scale=0.1, impl=impl)
             outs.append(out)
             new.append((kp, vp))
         return sum(outs), new

@@ -73,10 +73,12 @@ class AttentionMetadata:
 class PagedAttention:
     """Write K/V into the page pool, then ragged paged attention over it.
 
-    ``layer_cache`` is ``(k_pages, v_pages)``; ``meta`` is the step's ``AttentionMetadata``. With a
-    ``mesh``, heads and the pool are split over its ``"model"`` axis and the kernels run per shard
-    (``shard_map``) on their local heads: attention needs no communication, since each shard owns
-    whole KV-head groups.
+    ``layer_cache`` is the layer's tuple of pools in ``kernels.kv_pool_shapes(impl)``'s layout
+    (``(k_pages, v_pages)``, or jax's combined ``(kv_pages,)`` for ``jax_tpu``); ``meta`` is the
+    step's ``AttentionMetadata``. With a ``mesh``, heads and the pools are split over its
+    ``"model"`` axis and the kernels run per shard (``shard_map``) on their local heads: attention
+    needs no communication, since each shard owns whole KV-head groups (a combined pool alternates
+    K and V head by head, so a shard's slice of it holds the K and V of its own KV heads).
     """
 
     impl: str = "auto"
@@ -89,15 +91,15 @@ class PagedAttention:
         if self.mesh is None:
             return local(q, k, v, layer_cache, meta)
         heads, pool = P(None, MODEL_AXIS, None), KV_POOL_SPEC
-        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, (pool, pool), P()),
-                                out_specs=(heads, (pool, pool)), check_vma=False)
+        pools = tuple(pool for _ in layer_cache)
+        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, pools, P()),
+                                out_specs=(heads, pools), check_vma=False)
         return sharded(q, k, v, layer_cache, meta)
 
     def _local(self, q, k, v, layer_cache, meta: AttentionMetadata, *, sm_scale, sliding_window, soft_cap):
         q = q.astype(layer_cache[0].dtype)  # the model hands float32 q; kernels take the cache's dtype
         # one fused call, so the pools handed back are the ones the kernel's loops carried (no copy)
-        out, k_pages, v_pages = kernels.write_kv_and_attend(
-            q, k, v, layer_cache[0], layer_cache[1], meta.slot_mapping, meta.kv_lens, meta.page_indices,
-            meta.cu_q_lens, meta.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            impl=self.impl, max_prefill_seqs=self.max_prefill_seqs)
-        return out, (k_pages, v_pages)
+        return kernels.write_kv_and_attend(
+            q, k, v, tuple(layer_cache), meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+            meta.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=self.impl,
+            max_prefill_seqs=self.max_prefill_seqs)

@@ -134,11 +134,17 @@ class KVCacheSpec:
     def nbytes(self) -> int:
         return self.num_pages * self.bytes_per_page
 
-    def allocate(self, sharding=None):
-        """One (k_pages, v_pages) pair per layer, zero-filled, placed by ``sharding`` (or a device)."""
-        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        make = _zeros_function(shape, jnp.dtype(self.dtype), sharding)
-        return [(make(), make()) for _ in range(self.num_layers)]
+    def pool_shapes(self, attention_impl: str) -> tuple[tuple[int, ...], ...]:
+        """The pools of one layer in the layout ``attention_impl`` reads (``kernels.kv_pool_shapes``):
+        ``(k_pages, v_pages)``, or for ``jax_tpu`` the one K/V-interleaved pool jax's kernel reads,
+        so that no step copies pages into it. Either holds ``nbytes / num_layers``."""
+        return kernels.kv_pool_shapes(attention_impl, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def allocate(self, sharding=None, attention_impl: str = "xla"):
+        """One tuple of zero-filled pools per layer (:meth:`pool_shapes`; every implementation but
+        ``jax_tpu`` keeps two), placed by ``sharding`` (or a device)."""
+        makes = [_zeros_function(shape, jnp.dtype(self.dtype), sharding) for shape in self.pool_shapes(attention_impl)]
+        return [tuple(make() for make in makes) for _ in range(self.num_layers)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,7 +191,7 @@ class ModelRunner:
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
         param_shardings = sharding.param_shardings(params, self.mesh, registry.partition_rules(cfg))
         pool = sharding.kv_pool_sharding(self.mesh)
-        cache_shardings = [(pool, pool)] * cache_spec.num_layers
+        cache_shardings = [(pool,) * len(cache_spec.pool_shapes(attention_impl))] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
         architecture = architecture if architecture is not None else registry.architecture_for(cfg, self.matmuls)
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
@@ -195,7 +201,7 @@ class ModelRunner:
                                                                       self.batch_sharding))
         self._executables: dict = {}
         self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
-        self.kv_cache = cache_spec.allocate(pool)
+        self.kv_cache = cache_spec.allocate(pool, attention_impl)
         self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
 
     def trace(self, batch):

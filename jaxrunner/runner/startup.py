@@ -45,10 +45,15 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     return cache_dir
 
 
-def choose_attention(config: EngineConfig, platform: str, cfg) -> tuple[str, str]:
+def choose_attention(config: EngineConfig, platform: str, cfg, kv_dtype: str | None = None) -> tuple[str, str]:
     """(the attention implementation this engine runs, why): the one place it is chosen, for the
-    pre-flight check, the KV pool's dtype, the runner and the start-up report alike."""
-    return kernels.choose_impl(config.attention_impl, platform, cfg.head_dim, config.page_size)
+    pre-flight check, the KV pool's dtype, the runner and the start-up report alike. The kernels
+    are judged for the heads one shard holds and, when given, the pool's ``kv_dtype`` (jax's TPU
+    kernel takes different KV-head counts in bf16 and float32 pools; unknown: only those both take)."""
+    tp = config.tensor_parallel_size
+    kv_heads = sharding.served_config(cfg, tp).num_kv_heads // tp  # KV heads copied when fewer than shards
+    return kernels.choose_impl(config.attention_impl, platform, cfg.head_dim, config.page_size,
+                               num_kv_heads=kv_heads, num_q_heads=cfg.num_heads // tp, kv_dtype=kv_dtype)
 
 
 def choose_matmuls(config: EngineConfig, platform: str):
@@ -173,7 +178,8 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     mesh = model.mesh if model.mesh is not None else meshes.build_mesh(1, 1)
     device = meshes.local_device(mesh)
     budget = memory.memory_budget(device, config.memory_utilization)
-    impl, impl_why = choose_attention(config, device.platform, cfg)
+    # a TPU writes every float pool in place, so its pool takes the model's dtype unless one is asked for
+    impl, impl_why = choose_attention(config, device.platform, cfg, config.kv_cache_dtype or model.dtype)
     matmuls, matmuls_why = choose_matmuls(config, device.platform)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
