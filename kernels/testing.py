@@ -32,6 +32,21 @@ class PagedCase:
     def num_live_tokens(self) -> int:
         return int(self.cu_q_lens[int(self.num_seqs)])
 
+    def max_abs_score(self, sm_scale: float, soft_cap: float | None = None) -> float:
+        """The largest ``|q . k| * sm_scale`` (soft-capped) of any live query row against its
+        sequence's live cache rows: what ``kernels.tolerance`` scales with."""
+        q = np.asarray(self.q, np.float32)
+        group = q.shape[1] // self.k_pages.shape[2]
+        top = 0.0
+        for s, kv_len in enumerate(self.live_kv_lens):
+            slots = np.arange(kv_len)
+            pages = self.page_indices[s, slots // self.k_pages.shape[1]]
+            k = np.asarray(self.k_pages[pages, slots % self.k_pages.shape[1]], np.float32)  # [L, Hkv, D]
+            rows = q[self.cu_q_lens[s]:self.cu_q_lens[s + 1]]                               # [n, Hq, D]
+            scores = np.einsum("nhd,lhd->nhl", rows, np.repeat(k, group, axis=1)) * sm_scale
+            top = max(top, float(np.max(np.abs(scores), initial=0.0)))
+        return min(top, soft_cap) if soft_cap is not None else top
+
     def args(self):
         return (self.q, self.k_pages, self.v_pages, self.kv_lens, self.page_indices,
                 self.cu_q_lens, self.num_seqs)

@@ -391,6 +391,25 @@ def test_tolerance_follows_the_dot_precision():
     assert 1e-2 < bf16 < 0.1
 
 
+def test_tolerance_follows_the_cases_scores():
+    """Scores far past unit-normal ones (inputs scaled by 3, as the device check's window case)
+    widen the tolerance by what they do to exp, and a soft cap bounds them; the XLA path stays
+    inside the tolerance derived from the case while the float64 truth is compared."""
+    from jaxrunner.kernels.tolerance import ASSUMED_MAX_ABS_SCORE, attention_tolerance
+
+    shape = dict(num_q_heads=6, num_kv_heads=3, head_dim=64, page_size=8, num_tokens=16, max_seqs=5)
+    plain = make_case(np.random.default_rng(9), [1, 7, 1, 3], [30, 19, 5, 24], **shape)
+    scaled = make_case(np.random.default_rng(9), [1, 7, 1, 3], [30, 19, 5, 24], scale=3.0, **shape)
+    score = scaled.max_abs_score(0.125)
+    assert score == pytest.approx(9 * plain.max_abs_score(0.125), rel=1e-5) and score > 4 * ASSUMED_MAX_ABS_SCORE
+    assert scaled.max_abs_score(0.125, soft_cap=2.0) == 2.0
+    v_max = float(np.nanmax(np.abs(scaled.v_pages)))
+    tol = attention_tolerance("xla", jnp.float32, max_abs_v=v_max, max_kv_len=30, max_abs_score=score)
+    assert tol > attention_tolerance("xla", jnp.float32, max_abs_v=v_max, max_kv_len=30)
+    got = np.asarray(run("xla", scaled, sm_scale=0.125))[:scaled.num_live_tokens]
+    assert np.abs(got - dense_attention_f64(scaled, sm_scale=0.125)[:scaled.num_live_tokens]).max() <= tol
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_start_up_self_check_passes_the_pallas_kernel(dtype):
     """The warm-up self-check's tolerance (from dtype and dot precision) admits the GPU kernel,
