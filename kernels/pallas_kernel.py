@@ -23,7 +23,13 @@ matmul.
 
 GPU specifics: the scores carry log2(e) (folded into ``sm_scale``), so the softmax uses
 ``exp2``; ``num_stages=3`` lets Triton pipeline the page-table load that feeds the K/V
-addresses (at 2 stages it does not); tiles of 64+ query rows (prefill) run on 8 warps.
+addresses (at 2 stages it does not); programs run on 4 warps up to 128 x 128 accumulators.
+Shared memory is budgeted before lowering: Triton refuses a kernel over the device's limit only
+when it compiles (a failed start-up, not a fallback), so :func:`choose_gpu_tiles` shortens
+``block_k`` (and :func:`gpu_max_rows` the query tiles) until :func:`shared_memory_estimate`, one
+buffer per dot operand as measured on an H200, fits the limit of the device's compute
+capability. On an H200 only float32 head_dim 256 prefill tiles need it; GPUs with 99 KiB
+(sm_86/89/120) need it for float32 head_dim 128 and bf16 head_dim 256 too.
 
 Split-KV: a decode batch of few (query block, kv head) programs -- batch 1 of SmolLM2 is 3 --
 leaves most SMs idle. :func:`choose_num_splits` picks, at trace time from the shapes, a segment
@@ -91,6 +97,19 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 FILL_PROGRAMS = 264
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
+
+# Shared memory a Triton program may use (the opt-in maximum per block), by CUDA compute
+# capability. Triton refuses a kernel over it only when it compiles, on the device, so the tiles
+# are chosen to fit before lowering (see :func:`choose_gpu_tiles`).
+SHARED_MEMORY_BYTES = {(7, 0): 96 << 10, (7, 5): 64 << 10, (8, 0): 163 << 10, (8, 6): 99 << 10,
+                       (8, 7): 163 << 10, (8, 9): 99 << 10, (9, 0): 227 << 10, (10, 0): 227 << 10,
+                       (12, 0): 99 << 10}
+DEFAULT_SHARED_MEMORY_BYTES = 99 << 10  # unknown GPU, or lowering without one: the smallest recent part
+SHARED_MEMORY_SLACK = 1 << 10            # barriers and alignment beside the tiles (768 bytes measured)
+# K/V tile rows from the default down: shorter tiles are what frees shared memory (the stages do
+# not, see shared_memory_estimate).
+GPU_BLOCK_K_LADDER = (64, 32, 16)
+GPU_NUM_STAGES = 3
 
 
 def dot_precision(dtype):
@@ -265,6 +284,67 @@ def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_
         lse_ref[0][...] = lse[:, 0]
 
 
+def shared_memory_limit(device=None) -> int:
+    """Bytes of shared memory a Triton program may use on ``device`` (default: the first device
+    of the default backend): read from its compute capability, else the conservative default
+    (also when lowering from a machine without a GPU)."""
+    if device is None:
+        if jax.default_backend() != "gpu":
+            return DEFAULT_SHARED_MEMORY_BYTES
+        device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)  # "9.0" on CUDA devices
+    try:
+        major, minor = (int(part) for part in str(capability).split(".")[:2])
+    except ValueError:
+        return DEFAULT_SHARED_MEMORY_BYTES
+    return SHARED_MEMORY_BYTES.get((major, minor), DEFAULT_SHARED_MEMORY_BYTES)
+
+
+def shared_memory_estimate(head_dim: int, itemsize: int, rows_pad: int, block_k: int,
+                           num_stages: int = 1) -> int:
+    """Bytes of shared memory one program of the Triton kernel asks for: one buffer per ``tl.dot``
+    operand (the query tile, the K and V tiles, the probabilities), in the cache dtype, and
+    ``SHARED_MEMORY_SLACK`` for barriers. ``num_stages`` adds nothing: the K/V loads are gathers
+    through registers, not pipelined copies, so Triton keeps one buffer of each whatever the
+    stages. Measured on an H200 (jax 0.11.2): for head_dim 256, float32, 128 rows and
+    ``block_k`` 64, Triton asked for 295,680 bytes, this sum exactly; every tile set whose sum fit
+    the limit compiled, whatever its stages."""
+    del num_stages
+    tiles = rows_pad * head_dim + 2 * block_k * head_dim + rows_pad * block_k
+    return tiles * itemsize + SHARED_MEMORY_SLACK
+
+
+def choose_gpu_tiles(head_dim: int, itemsize: int, rows_pad: int, limit: int,
+                     block_k: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
+    """``(block_k, num_stages)``: the longest K/V tile of ``GPU_BLOCK_K_LADDER`` (or the caller's
+    ``block_k``) whose shared memory fits in ``limit`` bytes, and ``num_stages`` (default
+    ``GPU_NUM_STAGES``). Raises ValueError when nothing fits."""
+    stages = num_stages or GPU_NUM_STAGES
+    ladder = (block_k,) if block_k else GPU_BLOCK_K_LADDER
+    for bk in ladder:
+        if shared_memory_estimate(head_dim, itemsize, rows_pad, bk) <= limit:
+            return bk, stages
+    bk = ladder[-1]
+    raise ValueError(
+        f"the Triton kernel needs about {shared_memory_estimate(head_dim, itemsize, rows_pad, bk)} bytes "
+        f"of shared memory for head_dim {head_dim}, a {itemsize}-byte cache, {rows_pad}-row query tiles and "
+        f"block_k {bk}; the device allows {limit}")
+
+
+def gpu_num_warps(rows_pad: int, head_dim: int) -> int:
+    """Warps per program: 4, and 8 once the float32 accumulator ``[rows, D]`` passes 128 x 128
+    (more registers to hold it). On an H200, 128 x 128 bf16 prefill tiles ran faster on 4 warps
+    than on 8 (``benchmarks/device/``); larger accumulators were not timed."""
+    return 8 if rows_pad * head_dim > 128 * 128 else 4
+
+
+def gpu_max_rows(head_dim: int, itemsize: int, limit: int) -> int:
+    """The most query rows a Triton tile may have (128 where it fits): the largest whose shared
+    memory still leaves room for 32-row K/V tiles."""
+    return next((rows for rows in (128, 64, 32)
+                 if shared_memory_estimate(head_dim, itemsize, rows, 32) <= limit), 16)
+
+
 def choose_num_splits(num_programs: int, max_kv_tiles: int) -> int:
     """Split-KV segments per (query block, kv head), from static shapes (see FILL_PROGRAMS)."""
     if num_programs >= FILL_PROGRAMS:
@@ -285,16 +365,19 @@ def merge_splits(o, lse):
 
 
 def _gpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_window, soft_cap,
-              group, block_k, num_warps, num_stages, num_splits, masked_loads, interpret):
+              group, block_k, num_warps, num_stages, num_splits, masked_loads, interpret,
+              shared_memory_bytes):
     from jax.experimental.pallas import triton as plgpu
 
     nb, num_kv_heads, rows_pad, head_dim = qblk.shape
     num_pages, page_size = k_pages.shape[:2]
     width = page_indices.shape[1]
+    block_k, num_stages = choose_gpu_tiles(head_dim, jnp.dtype(k_pages.dtype).itemsize, rows_pad,
+                                           shared_memory_bytes, block_k, num_stages)
     if num_splits is None:
         num_splits = choose_num_splits(nb * num_kv_heads, -(-width * page_size // block_k))
-    if num_warps is None:  # a [rows, D] f32 accumulator of 64+ rows wants 8 warps' registers
-        num_warps = 8 if rows_pad >= 64 else 4
+    if num_warps is None:
+        num_warps = gpu_num_warps(rows_pad, head_dim)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -450,6 +533,38 @@ def _tpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_w
 # entry point
 # --------------------------------------------------------------------------------------------
 
+def _prepare_gpu(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q, limit):
+    itemsize = jnp.dtype(k_pages.dtype).itemsize
+    return _prepare(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q, row_multiple=16,
+                    pow2_rows=True, max_rows=gpu_max_rows(q.shape[-1], itemsize, limit))
+
+
+def gpu_kernel_alone(args, *, sm_scale, sliding_window=None, soft_cap=None, block_q=None,
+                     interpret=None, shared_memory_bytes=None, **tuning):
+    """The GPU path's Triton call (and split-KV merge) apart from its wrapper, for timing the
+    kernel alone (``scripts/device_check.py``): ``(kernel, inputs)``, where ``inputs`` are the
+    wrapper's outputs for ``args`` (the usual seven arrays), computed once, and ``kernel`` a
+    jitted function of them. ``tuning``: ``block_k``, ``num_warps``, ``num_stages``,
+    ``num_splits``, ``masked_loads``, as for :func:`ragged_paged_attention_pallas`."""
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = args
+    limit = shared_memory_bytes or shared_memory_limit()
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+
+    def prepare(q, kv_lens, page_indices, cu_q_lens, num_seqs):
+        _, meta, qblk, *_ = _prepare_gpu(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                         block_q, limit)
+        return meta, qblk
+
+    meta, qblk = jax.jit(prepare)(q, kv_lens, page_indices, cu_q_lens, num_seqs)
+    options = dict(block_k=None, num_warps=None, num_stages=None, num_splits=None,
+                   masked_loads=True) | tuning
+    kernel = jax.jit(functools.partial(
+        _gpu_call, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        group=q.shape[1] // k_pages.shape[2], shared_memory_bytes=limit,
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret, **options))
+    return kernel, (meta, page_indices, qblk, k_pages, v_pages)
+
+
 def _default_backend_variant() -> str:
     return "tpu" if jax.default_backend() == "tpu" else "gpu"
 
@@ -457,15 +572,17 @@ def _default_backend_variant() -> str:
 def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                   num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
                                   variant=None, interpret=None, block_q=None, block_k=None,
-                                  num_warps=None, num_stages=3, num_splits=None,
-                                  masked_loads=True):
+                                  num_warps=None, num_stages=None, num_splits=None,
+                                  masked_loads=True, shared_memory_bytes=None):
     """Pallas ragged paged attention.
 
     ``variant``: "gpu" (Triton) or "tpu" (Mosaic); default from the backend. ``interpret``:
     default True on CPU (tests), False elsewhere. GPU tuning (static): ``block_k`` cache rows
-    per tile (64); ``num_warps`` (None: 8 for tiles of 64+ query rows, else 4); ``num_stages``
-    3, so the page-table load that feeds the K/V addresses is pipelined too (at 2 Triton does
-    not pipeline a load whose result feeds other load addresses); ``num_splits`` split-KV
+    per tile (None: the longest of ``GPU_BLOCK_K_LADDER`` whose tiles fit the device's shared
+    memory, ``shared_memory_bytes``, None: :func:`shared_memory_limit`) and ``num_stages``
+    (None: 3, so the page-table load that feeds the K/V addresses is pipelined too; at 2 Triton
+    does not pipeline a load whose result feeds other load addresses);
+    ``num_warps`` (None: :func:`gpu_num_warps`); ``num_splits`` split-KV
     segments (None: :func:`choose_num_splits`); ``masked_loads`` False: load whole tiles and
     zero dead V rows with a select instead (always so in interpret mode, whose discharge of a
     masked gather load is not implemented; the masked form is covered by lowering tests).
@@ -478,14 +595,14 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_indices, cu
         interpret = jax.default_backend() == "cpu"
     page_indices = jnp.asarray(page_indices, jnp.int32)
     if variant == "gpu":
-        qb, meta, qblk, bq, rows, rows_pad = _prepare(
-            q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q, row_multiple=16,
-            pow2_rows=True, max_rows=128)
-        bk = block_k or 64
+        limit = shared_memory_bytes or shared_memory_limit()
+        qb, meta, qblk, bq, rows, _ = _prepare_gpu(q, k_pages, kv_lens, page_indices, cu_q_lens,
+                                                  num_seqs, block_q, limit)
         out = _gpu_call(meta, page_indices, qblk, k_pages, v_pages, sm_scale=sm_scale,
                         sliding_window=sliding_window, soft_cap=soft_cap, group=group,
-                        block_k=bk, num_warps=num_warps, num_stages=num_stages,
-                        num_splits=num_splits, masked_loads=masked_loads, interpret=interpret)
+                        block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                        num_splits=num_splits, masked_loads=masked_loads, interpret=interpret,
+                        shared_memory_bytes=limit)
     elif variant == "tpu":
         qb, meta, qblk, bq, rows, rows_pad = _prepare(
             q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs, block_q,

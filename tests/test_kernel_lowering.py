@@ -296,3 +296,56 @@ def test_auto_picks_an_impl_that_lowers(platform, head_dim, page_size):
         with pytest.raises(Exception):
             lower(functools.partial(fns["pallas"], sm_scale=0.1), case, platform)
 
+
+H200_SHARED_MEMORY = pallas_kernel.SHARED_MEMORY_BYTES[(9, 0)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_auto_lowers_within_shared_memory(head_dim, group, dtype):
+    """For every head size and GQA group, ``auto``'s GPU choice lowers for a prefill chunk (the
+    largest query tiles); where it is the Triton kernel, the tiles it got fit an H200's shared
+    memory by the estimate, with the budget's stages and warps."""
+    impl, why = kernels.choose_impl("auto", "gpu", head_dim, 16)
+    case = make_case(np.random.default_rng(head_dim), [96, 1], [96, 300], num_q_heads=2 * group,
+                     num_kv_heads=2, head_dim=head_dim, page_size=16, num_tokens=128, max_seqs=3,
+                     dtype=dtype, poison=False)
+    if impl != "pallas":
+        assert head_dim in (80, 96) and "power of two" in why
+        lower(functools.partial(ragged_paged_attention_xla, sm_scale=0.1), case, "cuda")
+        return
+    text = lower(functools.partial(ragged_paged_attention_pallas, sm_scale=0.1, variant="gpu", interpret=False,
+                                   shared_memory_bytes=H200_SHARED_MEMORY), case, "cuda").as_text()
+    itemsize = np.dtype(case.k_pages.dtype).itemsize
+    call = next(line for line in text.splitlines() if "xla.gpu.triton" in line)
+    operands = re.findall(r"tensor<([\dx]+)x[a-z]+\d+>", call.rsplit(" : (", 1)[1])
+    rows = int(operands[5].split("x")[2])                 # the query tiles [blocks, Hkv, rows, D]
+    stages = {int(s) for s in re.findall(r"num_stages = (\d+)", text)}
+    warps = {int(w) for w in re.findall(r"num_warps = (\d+)", text)}
+    assert warps == {pallas_kernel.gpu_num_warps(rows, head_dim)}
+    assert rows <= pallas_kernel.gpu_max_rows(head_dim, itemsize, H200_SHARED_MEMORY)
+    block_k, want_stages = pallas_kernel.choose_gpu_tiles(head_dim, itemsize, rows, H200_SHARED_MEMORY)
+    assert stages == {want_stages}
+    assert pallas_kernel.shared_memory_estimate(head_dim, itemsize, rows, block_k, want_stages) <= H200_SHARED_MEMORY
+
+
+def test_shared_memory_budget_shortens_kv_tiles_to_fit():
+    """The estimate is one buffer per dot operand (measured: Triton asked an H200 for 295,680
+    bytes for head_dim 256, float32, 128 rows, block_k 64, and refused it); the budget keeps the
+    longest K/V tile that fits, keeps a fixed option, and names the sizes when nothing fits.
+    Limits come from the device's compute capability."""
+    est = pallas_kernel.shared_memory_estimate
+    assert est(256, 4, 128, 64) - pallas_kernel.SHARED_MEMORY_SLACK + 768 == 295680
+    assert est(256, 4, 128, 64, num_stages=3) == est(256, 4, 128, 64, num_stages=1)
+    assert pallas_kernel.choose_gpu_tiles(128, 2, 128, H200_SHARED_MEMORY) == (64, 3)
+    assert pallas_kernel.choose_gpu_tiles(256, 4, 128, H200_SHARED_MEMORY) == (32, 3)
+    assert pallas_kernel.choose_gpu_tiles(256, 4, 128, H200_SHARED_MEMORY, num_stages=2) == (32, 2)
+    assert pallas_kernel.choose_gpu_tiles(128, 2, 16, H200_SHARED_MEMORY, block_k=128) == (128, 3)
+    assert pallas_kernel.gpu_max_rows(256, 4, H200_SHARED_MEMORY) == 128
+    assert pallas_kernel.gpu_max_rows(256, 4, 99 << 10) == 16
+    with pytest.raises(ValueError, match="head_dim 256.*block_k 64; the device allows 65536"):
+        pallas_kernel.choose_gpu_tiles(256, 4, 128, 64 << 10, block_k=64)
+    assert pallas_kernel.shared_memory_limit(types.SimpleNamespace(compute_capability="9.0")) == H200_SHARED_MEMORY
+    assert pallas_kernel.shared_memory_limit(types.SimpleNamespace(compute_capability="8.6")) == 99 << 10
+    assert pallas_kernel.shared_memory_limit(types.SimpleNamespace()) == pallas_kernel.DEFAULT_SHARED_MEMORY_BYTES
