@@ -109,3 +109,37 @@ def test_startup_report_breakdown_adds_up(tiny_checkpoints):
     assert parts["lower"] == pytest.approx(report["lower_s_total"])
     assert parts["run"] >= report["run_s_total"]
     assert all(b["persistent_cache"] in ("hit", "miss", "unused") for b in buckets)
+
+
+def test_auto_falls_back_to_xla_when_its_kernel_fails_to_compile():
+    """A Pallas kernel can fail where only the accelerator compiles it (Triton over the shared
+    memory): under ``auto`` the engine falls back to XLA, runs the real self-check for it, and
+    says why; a kernel the user named, a CPU engine and a wrong answer still stop the start."""
+    import jax
+
+    from jaxrunner.config import EngineConfig
+    from jaxrunner.runner import startup, warmup
+    from jaxrunner.runner.buckets import Bucket
+    from jaxrunner.runner.memory import StartupError
+
+    refusal = "out of resource: shared memory, Required: 262144, Hardware limit: 232448"
+
+    def self_check(impl):
+        if impl == "pallas":
+            raise RuntimeError(refusal)
+        return warmup.attention_self_check(impl, Bucket(16, 2, 4), 16, 4, 2, 64, "float32", jax.random.key(0))
+
+    impl, why, error = startup.check_attention(EngineConfig(), "gpu", "pallas", "GPU: the Pallas Triton kernel",
+                                               self_check)
+    assert impl == "xla" and error < 1e-5
+    assert why.startswith("GPU: the Pallas Triton kernel, but it failed to compile here") and "262144" in why
+    with pytest.raises(RuntimeError, match="shared memory"):
+        startup.check_attention(EngineConfig(attention_impl="pallas"), "gpu", "pallas", "asked for", self_check)
+    with pytest.raises(RuntimeError):
+        startup.check_attention(EngineConfig(), "cpu", "pallas", "CPU", self_check)
+
+    def wrong(impl):
+        raise StartupError("attention self-check failed")
+
+    with pytest.raises(StartupError):
+        startup.check_attention(EngineConfig(), "gpu", "pallas", "GPU", wrong)

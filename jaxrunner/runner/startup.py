@@ -21,6 +21,8 @@ from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
 from jaxrunner.runner.model_runner import KVCacheSpec, ModelRunner
 from jaxrunner.runner import cache_events, memory, warmup
+from jaxrunner.runner.memory import StartupError
+from jaxrunner.kernels.names import AUTO
 
 logger = logging.getLogger("jaxrunner")
 
@@ -54,6 +56,27 @@ def choose_attention(config: EngineConfig, platform: str, cfg, kv_dtype: str | N
     kv_heads = sharding.served_config(cfg, tp).num_kv_heads // tp  # KV heads copied when fewer than shards
     return kernels.choose_impl(config.attention_impl, platform, cfg.head_dim, config.page_size,
                                num_kv_heads=kv_heads, num_q_heads=cfg.num_heads // tp, kv_dtype=kv_dtype)
+
+
+def check_attention(config: EngineConfig, platform: str, impl: str, why: str, self_check) -> tuple[str, str, float]:
+    """``(impl, why, self-check error)``: ``self_check(impl)`` (``warmup.attention_self_check`` on the
+    largest bucket) run before anything is sized or compiled for the model.
+
+    On an accelerator some failures show only when the kernel compiles there (Triton over the device's
+    shared memory, a Mosaic rejection), never when it lowers here. Under ``auto`` such a kernel falls
+    back to plain XLA and ``why`` says what failed; an impl the user named still fails the start, and so
+    does any kernel that compiles but differs from the reference (``StartupError``).
+    """
+    try:
+        return impl, why, self_check(impl)
+    except StartupError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any compile failure of the chosen kernel
+        if config.attention_impl != AUTO or platform == "cpu" or impl == "xla":
+            raise
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+        logger.warning("attention %s failed to compile on %s (%s); plain XLA instead", impl, platform, reason)
+        return "xla", f"{why}, but it failed to compile here ({reason}); plain XLA instead", self_check("xla")
 
 
 def choose_matmuls(config: EngineConfig, platform: str):
@@ -180,6 +203,16 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     budget = memory.memory_budget(device, config.memory_utilization)
     # a TPU writes every float pool in place, so its pool takes the model's dtype unless one is asked for
     impl, impl_why = choose_attention(config, device.platform, cfg, config.kv_cache_dtype or model.dtype)
+    key = jax.random.key(config.seed)
+
+    def self_check(name: str) -> float:
+        dtype = config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, name)
+        return warmup.attention_self_check(name, plan.buckets()[-1], config.page_size, cfg.num_heads,
+                                           cfg.num_kv_heads, cfg.head_dim, dtype, jax.random.fold_in(key, 1 << 16),
+                                           config.max_num_prefill_seqs)
+
+    impl, impl_why, check_error = check_attention(config, device.platform, impl, impl_why, self_check)
+    t_checked = time.perf_counter()
     matmuls, matmuls_why = choose_matmuls(config, device.platform)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                            config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
@@ -197,26 +230,21 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     jax.block_until_ready(runner.kv_cache)
     t_alloc = time.perf_counter()
 
-    key = jax.random.key(config.seed)
     buckets = plan.buckets()
     per_bucket, phases = warmup.warm_up(runner, buckets, key=key, mode=config.warmup_inputs,
                                         page_size=config.page_size, vocab_size=cfg.vocab_size,
                                         max_model_len=max_model_len, progress=config.progress,
                                         max_prefill_seqs=config.max_num_prefill_seqs)
-    t_warm = time.perf_counter()
-    check_error = warmup.attention_self_check(runner.attention_impl, buckets[-1], config.page_size, cfg.num_heads,
-                                              cfg.num_kv_heads, cfg.head_dim, spec.dtype, jax.random.fold_in(key, len(buckets)),
-                                              config.max_num_prefill_seqs)
     t_end = time.perf_counter()
     report = _report(config, model, runner, plan, per_bucket, budget, how, max_model_len, check_error,
-                     activation_bytes, kv_alloc_s=t_alloc - t0, warmup_s=t_end - t_alloc)
+                     activation_bytes, kv_alloc_s=t_alloc - t_checked, warmup_s=t_end - t_alloc + t_checked - t0)
     report.update(max_model_len_source=why, compilation_cache_dir=cache_dir, attention_impl_reason=impl_why,
                   cpu_matmul=_matmul_summary(matmuls), cpu_matmul_reason=matmuls_why,
                   native_cpu_kernel=_native_kernel_status(device.platform),
                   persistent_cache=cache_watch.totals(),
                   startup_s=model.load_seconds + (t_end - t0),
-                  breakdown_s=_breakdown(model.load_seconds, kv_sizing=t_sized - t0, kv_alloc=t_alloc - t_sized,
-                                         phases=phases, self_check=t_end - t_warm,
+                  breakdown_s=_breakdown(model.load_seconds, kv_sizing=t_sized - t_checked, kv_alloc=t_alloc - t_sized,
+                                         phases=phases, self_check=t_checked - t0,
                                          total=model.load_seconds + (t_end - t0)))
     architecture = model.architecture if model.architecture is not None else registry.architecture_for(cfg)
     if hasattr(architecture, "expert_load"):  # mixture of experts: random against zero dummies
