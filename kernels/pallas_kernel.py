@@ -54,10 +54,11 @@ Pallas' default GPU backend in jax 0.10 is Mosaic GPU; we pass
   ``tl.dot``. KV tiles are ``block_k`` (default 64) cache rows regardless of ``page_size``, so
   page sizes 8..128 all give full-width tiles.
 
-Nothing here could be compiled for or run on a GPU from this machine: the kernel is tested in
-interpret mode and its lowering to Triton IR is tested (jax 0.10 and 0.11, which needs an
-abstract GPU to lower without one, and warns that its Pallas Triton backend is deprecated);
-``scripts/device_check.sh`` does the rest.
+The test suite runs where there is no GPU: the kernel is tested in interpret mode and its
+lowering to Triton IR is tested (jax 0.10, and the newest jax in CI's second environment, which
+needs an abstract GPU to lower without one and warns that its Pallas Triton backend is
+deprecated). ``scripts/device_check.sh`` compiles and runs it on a GPU; its H200 results are in
+``benchmarks/device/``.
 
 TPU: Mosaic with scalar prefetch
 --------------------------------
