@@ -13,8 +13,9 @@ after every record, so one cut short by its budget still keeps what it measured)
 * ``smem``: the Triton kernel compiled alone for head_dim 64/128/256, bf16 and float32, decode
   and prefill tiles, both as the shared-memory budget chooses its tiles and with the unbudgeted
   defaults: compile success against ``pallas_kernel.shared_memory_estimate``, the bytes Triton
-  asks for when it refuses, and (where ``ptxas`` is found) registers and spills. The kernels'
-  optimized HLO and PTX are written to ``$OUT/kernel_ir.tar.gz``;
+  asks for when it refuses, and, for any PTX XLA dumps, registers and spills from ``ptxas``. The
+  kernels' StableHLO (the Triton IR serialized inside), optimized HLO and any PTX go to
+  ``$OUT/kernel_ir.tar.gz`` (on the H200, jax 0.11.2, XLA dumped no PTX for them);
 * ``correctness``: the auto-chosen kernel (compiled, not interpreted), forced split-KV and the
   XLA path against the reference on the device: fixed cases (GQA 1..8, pages 8..128, head_dim
   64/128, window, soft cap) and fuzzed ragged batches whose unowned cache slots hold NaN; errors
@@ -725,7 +726,7 @@ def run_section(args) -> int:
 
 def _child_env(name: str, dump_dir: pathlib.Path) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if name == "smem":  # the kernels' HLO and PTX, for kernel_ir.tar.gz
+    if name == "smem":  # the kernels' StableHLO, HLO and any PTX, for kernel_ir.tar.gz
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}"
                             " --xla_dump_hlo_module_re=.*gpu_call.*").strip()
     return env
