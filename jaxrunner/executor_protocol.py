@@ -78,7 +78,9 @@ class SequenceInput:
     sampling: SamplingRow | None = None       # settings of the token it samples; None: no row sampled
     num_drafts: int = 0    # its last num_drafts tokens are proposals, each checked by a draft row
     draft_bitmasks: np.ndarray | None = None  # [num_drafts, words]: each draft row's allowed tokens (None: all)
-    request_id: str = ""   # whose it is (named in the runner's errors; it keys nothing by it)
+    request_id: str = ""   # whose it is (named in the runner's errors; the draft model keys its cache by it)
+    propose: int = 0       # a runner that drafts guesses up to this many tokens to follow this step's (see Executor)
+    history: np.ndarray | None = None  # [n] int32: the request's tokens before this step's, when propose > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +122,28 @@ class SampledRows:
     prompt_ranks: np.ndarray | None = None         # [T] int32
     prompt_top_ids: np.ndarray | None = None       # [T, k] int32
     prompt_top_logprobs: np.ndarray | None = None  # [T, k] float32
+    proposals: np.ndarray | None = None            # [sequences, k'] int32, NO_TOKEN-padded: the drafter's guesses
+
+
+def accepted_tokens(draft_token_ids: Sequence[int], row_tokens: Sequence[int]) -> list[int]:
+    """The tokens a sequence gains from a step that verified ``draft_token_ids``: ``row_tokens`` are
+    its sampled rows, the rows checking each proposal first, its own row last. The walk keeps each
+    sampled token and stops after the first that differs from the proposal its row checked (that
+    token replaces the proposal), or after the last row. One rule for the engine, which appends
+    them, and a drafting runner, which proposes after them."""
+    tokens = []
+    for index, token in enumerate(row_tokens):
+        tokens.append(int(token))
+        if index == len(draft_token_ids) or int(token) != draft_token_ids[index]:
+            break
+    return tokens
 
 
 # ----------------------------------------------------------------------------- the protocol
 class Proposer(Protocol):
-    """Speculative decoding's guesser: n-gram lookup on the host (``engine.spec_decode``), or a
-    draft model the runner runs (``runner.draft_proposer``)."""
+    """Speculative decoding's guesser: n-gram lookup, which the engine runs on the host
+    (``engine.spec_decode``), or a draft model, which the runner runs behind ``Executor.fetch``
+    (``runner.draft_proposer``). Either guesses after a step, for the next one."""
 
     def propose_many(self, queries: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
         """For each ``(request_id, token_ids, limit)``: at most ``limit`` tokens guessed to follow
@@ -152,7 +170,7 @@ class Executor(Protocol):
     page_size: int
     num_pages: int
     max_num_spec_seqs: int           # sequences with proposals one step can verify
-    draft_proposer: Proposer | None  # speculative decoding with a draft model (run by the runner)
+    drafts: bool                     # a draft model guesses after each step (SequenceInput.propose)
     limits: SamplingLimits
     synchronous: bool                # several processes drive one mesh: steps must not overlap
     startup_report: dict
@@ -161,7 +179,12 @@ class Executor(Protocol):
         """Lay out ``step`` and dispatch it without waiting."""
 
     def fetch(self, handle: StepHandle, prompt_logprobs: bool) -> SampledRows:
-        """Wait for a step; its sampled rows on the host (the prompt fields only when asked)."""
+        """Wait for a step; its sampled rows on the host (the prompt fields only when asked). A runner
+        that ``drafts`` then guesses, for each sequence with ``propose``, up to that many tokens to
+        follow its ``history`` and the tokens the step gave it (``accepted_tokens``): ``proposals``."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what the runner keeps for it (the draft model's cache)."""
 
     @property
     def params(self) -> Any:

@@ -2,6 +2,8 @@
 (catch-up after rejections, eviction from a small draft pool), no compiles, no pages left."""
 from __future__ import annotations
 
+import inspect
+
 import time
 
 import pytest
@@ -71,10 +73,19 @@ def test_self_drafted_greedy_output_is_exact_and_accepted(plain, self_drafted, w
 
 
 def test_unrelated_draft_keeps_output_exact_in_a_small_draft_pool(plain, other_drafted, workload):
+    """A draft model that guesses badly, in a pool too small for every request: the output stays
+    exact, and the drafting runs behind the executor (after a step is fetched), never while the
+    scheduler plans."""
     proposer = other_drafted.engine.executor.draft_proposer
-    dropped = []
-    forget = proposer.forget
+    dropped, callers = [], set()
+    forget, propose_many = proposer.forget, proposer.propose_many
     proposer.forget = lambda request_id: dropped.append(request_id) or forget(request_id)
+
+    def spied(queries):
+        callers.update(frame.function for frame in inspect.stack()[1:6])
+        return propose_many(queries)
+
+    proposer.propose_many = spied
     long_prompts = random_prompts(10, plain.engine.model.config.vocab_size, 50, 90, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     try:
@@ -82,6 +93,8 @@ def test_unrelated_draft_keeps_output_exact_in_a_small_draft_pool(plain, other_d
             got = token_ids(other_drafted.generate(long_prompts, params, use_tqdm=False))
     finally:
         vars(proposer).pop("forget")
+        vars(proposer).pop("propose_many")
+    assert "fetch" in callers and "schedule" not in callers
     assert compiles == []
     assert got == token_ids(plain.generate(long_prompts, params, use_tqdm=False))
     stats = other_drafted.engine.stats()

@@ -215,11 +215,14 @@ def test_rejected_proposals_are_rolled_back_in_the_scheduler():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, page_size=4, num_pages=32,
                              max_num_spec_seqs=8)
     allocator = PageAllocator(config.num_pages, config.page_size)
-    scheduler = Scheduler(config, allocator, proposer=NgramProposer(3, 1, 3))
+    scheduler = Scheduler(config, allocator, speculative=True)
     request = Request("r", [7, 8, 9, 10, 7, 8], SamplingParams(max_tokens=20))
     scheduler.add(request)
-    scheduler.update(scheduler.schedule())        # the prompt: 6 tokens, 2 pages
-    request.append_output(9)                      # "7 8 9" occurred: propose 10 7 8
+    plan = scheduler.schedule()                   # the prompt: 6 tokens, 2 pages
+    assert plan.chunks[0].propose == 18           # guesses wanted for the first decode, capped by max_tokens
+    scheduler.update(plan)
+    request.append_output(9)                      # "7 8 9" occurred: the lookup proposes 10 7 8
+    scheduler.receive_proposal(request, NgramProposer(3, 1, 3).propose(request.all_token_ids, plan.chunks[0].propose))
     plan = scheduler.schedule()
     (chunk,) = plan.chunks
     assert chunk.draft_token_ids == [10, 7, 8] and chunk.num_tokens == 4 and chunk.sample
@@ -229,11 +232,11 @@ def test_rejected_proposals_are_rolled_back_in_the_scheduler():
     request.append_output(5)                      # the model disagreed with the first proposal
     scheduler.accept_drafts(chunk, 0)
     assert request.num_computed_tokens == 7 and len(request.page_ids) == allocator.pages_for_tokens(8) == 2
-    assert request.spec_backoff > 0               # no proposal for the next few decodes
+    assert request.spec_backoff > 0 and request.proposal is None  # no guesses for the next few decodes
     allocator.check_invariants([request])
     assert len(allocator._page_by_key) == 1       # the one full page of computed tokens only
     plan = scheduler.schedule()
-    assert plan.chunks[0].draft_token_ids == [] and plan.num_batched_tokens == 1
+    assert plan.chunks[0].draft_token_ids == [] and plan.num_batched_tokens == 1 and plan.chunks[0].propose == 0
     scheduler.update(plan)
     scheduler.finish(request, "abort")
     allocator.check_invariants([])

@@ -12,12 +12,13 @@ string) has one wasted token computed in N+1, which is dropped; one that reaches
 is not scheduled again. Some requests make steps synchronous (``Request.needs_host_history`` says
 which, and why). Each ``step()`` still returns the outputs of exactly one step.
 
-Speculative decoding (``speculative_method``: n-gram lookup here, or the executor's draft model):
-the scheduler attaches proposals to decodes, the
-step verifies them, and ``complete_step`` appends the accepted ones plus the model's next token
-(several tokens in one output), then reports how many were accepted so the scheduler rolls the
-rest back. A proposal is made from every past token, so a step that proposes is planned only
-after the step before it is back on the host (synchronously). Requests back off from proposing
+Speculative decoding (``speculative_method``): a plan marks the chunks whose next decode should get
+guesses; after the step, ``complete_step`` hands the scheduler the guesses, from the n-gram lookup
+(run here) or from the executor's draft model (made behind ``fetch``, in ``SampledRows.proposals``).
+The next plan attaches them to the decodes, the step verifies them, and ``complete_step`` appends
+the accepted ones plus the model's next token (several tokens in one output), then reports how many
+were accepted so the scheduler rolls the rest back. Guesses follow every past token, so a step that
+verifies or asks for them is followed synchronously. Requests back off from proposing
 after a lookup found nothing or every proposal was rejected; while every running request is
 backing off, steps overlap as usual.
 """
@@ -40,7 +41,7 @@ from jaxrunner.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfi
 from jaxrunner.engine.spec_decode import NgramProposer
 from jaxrunner.engine.step_input import build_step_input
 from jaxrunner.engine.structured_output import GrammarCompiler
-from jaxrunner.executor_protocol import Executor, SampledRows, StepHandle
+from jaxrunner.executor_protocol import NO_TOKEN, Executor, SampledRows, StepHandle
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
@@ -116,6 +117,9 @@ class LLMEngine:
             raise ValueError("executors: an engine needs at least one")
         self.config = config
         self.replicas = [_Replica(executor, self._scheduler_for(config, executor)) for executor in executors]
+        # speculative decoding by n-gram lookup runs here, after each step; a draft model runs in the executor
+        self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.speculative_method == "ngram" else None
         self.executor = executors[0]  # replicas serve the same model with the same limits
         self.max_model_len = min(executor.max_model_len for executor in executors)
         self.output_processor = OutputProcessor(self.executor.tokenizer, self.executor.eos_token_ids)
@@ -130,11 +134,8 @@ class LLMEngine:
         self.owner_thread: threading.Thread | None = None  # set while an engine loop owns the engine
 
     def _scheduler_for(self, config: EngineConfig, executor: Executor) -> Scheduler:
-        proposer = None
-        if config.speculative_method == "ngram":
-            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.speculative_method == "draft_model":
-            proposer = executor.draft_proposer  # it runs a model: the runner side started it
+        speculative = config.speculative_method == "ngram" or (config.speculative_method == "draft_model"
+                                                                 and executor.drafts)
         return Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=executor.max_model_len, page_size=executor.page_size,
@@ -143,7 +144,7 @@ class LLMEngine:
                             max_num_prefill_seqs=config.max_num_prefill_seqs,
                             max_num_spec_seqs=executor.max_num_spec_seqs),
             PageAllocator(executor.num_pages, executor.page_size, config.enable_prefix_caching),
-            proposer=proposer)
+            speculative=speculative)
 
     # ------------------------------------------------------------------ what the front ends read
     @property
@@ -321,7 +322,9 @@ class LLMEngine:
         self.check_caller()
         final = self.output_processor.abort_request(str(request_id))
         if final is not None:
-            self._replica_of.pop(str(request_id)).scheduler.abort(str(request_id))
+            replica = self._replica_of.pop(str(request_id))
+            replica.scheduler.abort(str(request_id))
+            replica.executor.forget(str(request_id))
         return final
 
     def has_unfinished_requests(self) -> bool:
@@ -359,7 +362,7 @@ class LLMEngine:
         while a request ``needs_host_history``, nor with speculative decoding while a running
         request wants a proposal (made from every past token)."""
         scheduler = replica.scheduler
-        if scheduler.proposer is not None and any(r.wants_proposal for r in scheduler.running):
+        if scheduler.speculative and any(r.wants_proposal for r in scheduler.running):
             return False
         return not any(request.needs_host_history for request in itertools.chain(scheduler.running, scheduler.waiting))
 
@@ -394,8 +397,22 @@ class LLMEngine:
         for row, chunk in enumerate(plan.chunks):
             if chunk.sample and not chunk.request.is_finished:
                 outputs.append(self._accept_chunk(scheduler, chunk, sampled, row, draft_row))
+                self._after_accept(pending.replica, chunk, sampled, row)
             draft_row += len(chunk.draft_token_ids)
         return outputs
+
+    def _after_accept(self, replica: _Replica, chunk: ScheduledChunk, sampled: SampledRows, row: int) -> None:
+        """A finished request's draft state goes; one still running gets the guesses its chunk asked
+        for: the n-gram lookup's, made here from its tokens, or the draft model's, in ``sampled``."""
+        request = chunk.request
+        if request.is_finished:
+            replica.executor.forget(request.request_id)
+        elif chunk.propose:
+            if self.ngram is not None:
+                draft = self.ngram.propose(request.all_token_ids, chunk.propose)
+            else:
+                draft = [int(t) for t in sampled.proposals[row] if t != NO_TOKEN] if sampled.proposals is not None else []
+            replica.scheduler.receive_proposal(request, draft)
 
     def num_unfinished_requests(self) -> int:
         return len(self.output_processor)

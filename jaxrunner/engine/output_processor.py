@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.engine.request import Request
-from jaxrunner.executor_protocol import SampledRows
+from jaxrunner.executor_protocol import SampledRows, accepted_tokens
 from jaxrunner.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
@@ -92,15 +92,12 @@ class OutputProcessor:
         from the proposal its row checked. Returns how many proposals were accepted and the finish
         reason ("stop", "length") or None."""
         state = self._states[request.request_id]
-        num_accepted = 0
-        for index, row in enumerate(rows):
-            token, reason = self._append_token(state, sampled, row)
+        gained = accepted_tokens(draft_token_ids, sampled.tokens[list(rows)])
+        for index, row in enumerate(rows[:len(gained)]):
+            _, reason = self._append_token(state, sampled, row)
             if reason is not None:
-                return num_accepted, reason
-            if index == len(draft_token_ids) or token != draft_token_ids[index]:
-                break
-            num_accepted += 1
-        return num_accepted, None
+                return index, reason
+        return len(gained) - 1, None
 
     def _append_token(self, state: RequestState, sampled: SampledRows, row: int) -> tuple[int, str | None]:
         """Append the token of ``row`` with its logprobs; returns it and the finish reason (or None)."""

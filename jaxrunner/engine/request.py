@@ -77,6 +77,9 @@ class Request:
     # and how many such proposals came in a row (the back-off doubles with each).
     spec_backoff: int = 0
     num_failed_proposals: int = 0
+    # Guesses for its next decode, made after the step that sampled its last token (the scheduler
+    # takes them when it plans that decode).
+    proposal: list[int] | None = None
     # When it arrived, was first scheduled and got its first token (time.monotonic(); None: not yet),
     # for the per-request latencies servers report (queue, prefill and decode time).
     arrival_time: float = field(default_factory=time.monotonic)

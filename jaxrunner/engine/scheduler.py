@@ -21,13 +21,16 @@ checks stop conditions; the engine then calls ``finish``. Under async scheduling
 (``Request.num_pending_outputs``): it counts as a token to compute like any other, and a request
 whose pending token is its last (``max_tokens``) is not scheduled again.
 
-Speculative decoding (with a ``proposer``): the proposer is asked once per step for the running
-decodes whose requests can speculate (a draft model proposes for them as one batch). A decode gets
-its guesses as ``ScheduledChunk.draft_token_ids``, computed in the same chunk (1 + k query tokens,
-a small prefill chunk, so it takes a prefill slot), and they count against the token budget. Pages
-are only taken for them when free ones are there (no preemption for a guess). ``update`` counts
-only the known tokens as computed; the engine reports the accepted guesses with ``accept_drafts``,
-which also hands back the pages of rejected positions.
+Speculative decoding (``speculative``): planning a step also picks, among its chunks that sample,
+the requests that should get guesses for their next decode (``ScheduledChunk.propose``: at most
+``max_num_spec_seqs``, in admission order, none while backing off). The guesses are made after
+the step, by whoever proposes (the engine's n-gram lookup, or the runner's draft model behind
+``Executor.fetch``), and handed back with ``receive_proposal``; the scheduler runs no proposer.
+The next plan gives a decode its guesses as ``ScheduledChunk.draft_token_ids``, computed in the
+same chunk (1 + k query tokens, a small prefill chunk, so it takes a prefill slot), and they count
+against the token budget. Pages are only taken for them when free ones are there (no preemption
+for a guess). ``update`` counts only the known tokens as computed; the engine reports the accepted
+guesses with ``accept_drafts``, which also hands back the pages of rejected positions.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class ScheduledChunk:
     num_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)
     sample: bool = field(init=False)
+    propose: int = 0  # guesses wanted after this step for the request's next decode (at most)
 
     def __post_init__(self) -> None:
         self.sample = self.start + self.num_known_tokens == self.request.num_tokens
@@ -158,8 +162,8 @@ def _back_off(request: Request) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None, proposer=None):
-        """``proposer``: an ``executor_protocol.Proposer``, or None for no speculative decoding."""
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator | None = None, speculative: bool = False):
+        """``speculative``: plan guesses for decodes (speculative decoding; see the module docstring)."""
         if allocator is None:
             allocator = PageAllocator(config.num_pages, config.page_size,
                                       config.enable_prefix_caching)
@@ -169,7 +173,7 @@ class Scheduler:
                 f"config says {config.num_pages} of {config.page_size}")
         self.config = config
         self.allocator = allocator
-        self.proposer = proposer
+        self.speculative = speculative
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._unfinished: dict[str, Request] = {}
@@ -201,8 +205,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._unfinished[request.request_id]
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        request.proposal = None
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request with reason "abort", wherever it is; None when it is unknown."""
@@ -225,11 +228,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_prefill_seqs,
-                            self.config.max_num_spec_seqs if self.proposer is not None else 0)
-        self._schedule_running(step, self._proposals() if self.proposer is not None else {})
+                            self.config.max_num_spec_seqs if self.speculative else 0)
+        self._schedule_running(step)
         if not step.preempted:  # pages are short: don't let newcomers take what was just freed
             self._admit_waiting(step)
         plan = step.build()
+        if self.speculative:
+            self._ask_for_proposals(plan)
         if not plan.is_empty:
             self.num_steps += 1
         self.last_step_num_tokens = plan.num_batched_tokens
@@ -265,7 +270,18 @@ class Scheduler:
         self.allocator.commit_full_pages(request)
         request.page_ids = self.allocator.release_tail(request, request.num_tokens)
 
-    def _schedule_running(self, step: _StepBuilder, proposals: dict[Request, list[int]]) -> None:
+    def receive_proposal(self, request: Request, draft: list[int]) -> None:
+        """The guesses asked for by a chunk's ``propose``, made after its step: for the request's next
+        decode. None found backs it off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated
+        failures), so that text with nothing to copy runs like non-speculative decoding (async
+        scheduling included) most of the time."""
+        if draft:
+            request.proposal = list(draft)
+        else:
+            request.proposal = None
+            _back_off(request)
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
         # sorted() is stable: decodes first, each group in admission order.
         for request in sorted(self.running, key=self._is_prefilling):
             if request.status is not RequestStatus.RUNNING:
@@ -275,43 +291,37 @@ class Scheduler:
             num_new = self._chunk_size(self._num_new_tokens(request), step.token_budget)
             if num_new == 0 or not step.has_prefill_slot(num_new) or not self._make_room(request, num_new, step):
                 continue
-            draft = self._take_proposal(request, proposals.get(request), step) if num_new == 1 else []
+            draft = self._take_proposal(request, step) if num_new == 1 else []
+            request.proposal = None  # made for this decode only: the next one gets fresh guesses
             step.add(request, num_new, draft)
 
-    def _proposals(self) -> dict[Request, list[int]]:
-        """The proposer's guesses for the running decodes that can speculate (at most
-        ``max_num_spec_seqs``, in admission order), asked for in one call. A request whose proposer
-        found nothing backs off for ``SPEC_BACKOFF_STEPS`` decodes (more after repeated failures),
-        so that text with nothing to copy runs like non-speculative decoding (async scheduling
-        included) most of the time."""
-        asked = []
+    def _ask_for_proposals(self, plan: StepPlan) -> None:
+        """Mark the chunks whose requests should get guesses for their next decode (``propose``):
+        those that sample and can speculate, at most ``max_num_spec_seqs`` in admission order,
+        skipping (and counting down) those backing off. Each guesses at most what the output cap
+        leaves after this step's token."""
+        sampling = {chunk.request: chunk for chunk in plan.chunks if chunk.sample}
+        asked = 0
         for request in self.running:
-            if len(asked) == self.config.max_num_spec_seqs:
-                break
-            if self._num_new_tokens(request) != 1:
+            chunk = sampling.get(request)
+            if chunk is None or asked == self.config.max_num_spec_seqs:
                 continue
             if request.spec_backoff > 0:
                 request.spec_backoff -= 1
                 continue
             limit = min(self.config.max_num_batched_tokens - 1,
-                        request.max_tokens - request.num_expected_outputs - 1)
+                        request.max_tokens - request.num_expected_outputs - 2)
             if request.can_speculate and limit > 0:
-                asked.append((request, limit))
-        drafts = self.proposer.propose_many([(r.request_id, r.all_token_ids, limit) for r, limit in asked])
-        proposals = {}
-        for (request, _), draft in zip(asked, drafts):
-            if draft:
-                proposals[request] = list(draft)
-            else:
-                _back_off(request)
-        return proposals
+                chunk.propose = limit
+                asked += 1
 
-    def _take_proposal(self, request: Request, draft: list[int] | None, step: _StepBuilder) -> list[int]:
-        """As much of a decode's proposal as the budget, a prefill slot and free pages allow (none
-        when any of them is short; their pages are taken here)."""
+    def _take_proposal(self, request: Request, step: _StepBuilder) -> list[int]:
+        """As much of the request's proposal as its output cap, the budget, a prefill slot and free
+        pages allow (none when any of them is short; their pages are taken here)."""
+        draft = request.proposal
         if not draft or step.spec_seqs_left <= 0 or not step.has_prefill_slot(2):
             return []
-        draft = draft[:step.token_budget - 1]
+        draft = draft[:min(step.token_budget, request.max_tokens - request.num_expected_outputs) - 1]
         if not draft:
             return []
         pages = self.allocator.allocate(request, 1 + len(draft))
@@ -366,6 +376,7 @@ class Scheduler:
         self._free_pages(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.proposal = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

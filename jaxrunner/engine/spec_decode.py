@@ -5,10 +5,10 @@ one step (a chunk of 1 + k query tokens, see ``Scheduler`` and ``runner.batch``)
 keeps the target distribution exactly (``runner.sampler``: greedy rows accept while the guess is
 the argmax, sampled rows by rejection sampling). So a wrong guess costs only the extra query rows.
 
-The scheduler asks once per step for every decode that may speculate (``Proposer.propose_many``;
-the protocol is in ``jaxrunner/executor_protocol.py``, since the runner's draft model implements it),
-so that a draft model (``runner.draft_proposer``, on the runner side: it runs a model) proposes
-for all of them in one batch.
+Planning a step marks the requests whose next decode should get guesses (``ScheduledChunk.propose``);
+the guesses are made after the step: by the engine with ``NgramProposer`` here, or by the runner's
+draft model behind ``Executor.fetch`` (``runner.draft_proposer``: it runs a model, for all of them in
+one batch). Both implement ``executor_protocol.Proposer``.
 
 ``NgramProposer`` needs no model: the most recent ``n`` tokens (``n`` from ``max_n`` down to
 ``min_n``, as vLLM's ``ngram`` method) are looked up in the request's prompt + output, and the

@@ -2,7 +2,8 @@
 
 This is the one place where requests become the messages of the executor protocol
 (``jaxrunner/executor_protocol.py``): each scheduled chunk becomes a ``SequenceInput`` holding its
-token ids, pages, context length, prompt-logprob targets, proposals and, when it samples, the
+token ids, pages, context length, prompt-logprob targets, proposals (and, when the next decode should
+get guesses, the history a draft model guesses from) and, when it samples, the
 ``SamplingRow`` of its next token with the engine's rules applied (bans under ``min_tokens`` and
 bad words, structured output's token bitmask).
 
@@ -35,7 +36,8 @@ def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows) -
     return SequenceInput(token_ids=token_ids, feed_rows=fed, kv_len=chunk.end,
                          pages=np.asarray(request.page_ids, np.int32), prompt_targets=_prompt_targets(chunk),
                          sampling=sampling, num_drafts=len(chunk.draft_token_ids), draft_bitmasks=draft_masks,
-                         request_id=request.request_id)
+                         request_id=request.request_id, propose=chunk.propose,
+                         history=np.asarray(request.all_token_ids, np.int32) if chunk.propose else None)
 
 
 def _tokens(chunk: ScheduledChunk, feed_rows) -> tuple[np.ndarray, np.ndarray]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from jaxrunner.config import EngineConfig
-from jaxrunner.executor_protocol import SampledRows, SamplingLimits, StepInput
+from jaxrunner.executor_protocol import NO_TOKEN, SampledRows, SamplingLimits, StepInput, accepted_tokens
 from jaxrunner.runner import weights
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.runner.buckets import MAX_SPEC_SEQS
@@ -28,12 +29,14 @@ LIMITS = SamplingLimits(max_logprobs=MAX_LOGPROBS, max_logit_bias=MAX_LOGIT_BIAS
 class StepHandle:
     device_outputs: dict  # the runner's sampled arrays, possibly still being computed
     num_seq_rows: int     # the bucket's sequences: draft rows' outputs follow theirs
+    step: StepInput       # what was asked (fetch drafts for its sequences that ask)
 
 
 class Executor:
     """Starts a runner for ``model`` (already on this row's mesh) and serves steps on it; with a
     ``draft`` model (speculative_method="draft_model", on the same mesh) also the draft's runner,
-    whose proposer the engine's scheduler asks (``draft_proposer``)."""
+    which guesses after each step for the sequences that ask (``fetch``), as vLLM's model runner
+    drafts after sampling: the engine's planning never runs a model."""
 
     limits = LIMITS
     max_num_spec_seqs = MAX_SPEC_SEQS
@@ -71,6 +74,10 @@ class Executor:
         return self.runner.cache_spec.num_pages
 
     @property
+    def drafts(self) -> bool:
+        return self.draft_proposer is not None
+
+    @property
     def synchronous(self) -> bool:
         # several processes run one deterministic schedule each; keep them in lockstep
         return jax.process_count() > 1
@@ -79,10 +86,36 @@ class Executor:
     def execute(self, step: StepInput) -> StepHandle:
         bucket = self.bucket_plan.select(step.num_tokens, len(step.sequences), step.widest)
         batch = pack_step(step, bucket, self.page_size, self.vocab_size, self.max_prefill_seqs)
-        return StepHandle(self.runner.dispatch(bucket, batch), bucket.num_seqs)
+        return StepHandle(self.runner.dispatch(bucket, batch), bucket.num_seqs, step)
 
     def fetch(self, handle: StepHandle, prompt_logprobs: bool) -> SampledRows:
-        return SampledRows(**self.runner.fetch(handle.device_outputs, prompt_logprobs))
+        sampled = SampledRows(**self.runner.fetch(handle.device_outputs, prompt_logprobs))
+        if self.draft_proposer is None or not any(seq.propose for seq in handle.step.sequences):
+            return sampled
+        return dataclasses.replace(sampled, proposals=self._draft(handle, sampled.tokens))
+
+    def forget(self, request_id: str) -> None:
+        if self.draft_proposer is not None:
+            self.draft_proposer.forget(request_id)
+
+    def _draft(self, handle: StepHandle, tokens) -> np.ndarray:
+        """The draft model's guesses after ``handle``'s step, one row per sequence (NO_TOKEN where
+        none was asked or guessed), in one batch for every sequence that asked."""
+        sequences = handle.step.sequences
+        queries, asked, draft_row = [], [], handle.num_seq_rows
+        for index, seq in enumerate(sequences):
+            rows = list(range(draft_row, draft_row + seq.num_drafts)) + [index]
+            draft_row += seq.num_drafts
+            if seq.propose:
+                drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts:].tolist() if seq.num_drafts else []
+                gained = accepted_tokens(drafts, tokens[rows])
+                queries.append((seq.request_id, [*seq.history.tolist(), *gained], seq.propose))
+                asked.append(index)
+        guesses = self.draft_proposer.propose_many(queries)
+        proposals = np.full((len(sequences), max(seq.propose for seq in sequences)), NO_TOKEN, np.int32)
+        for index, guess in zip(asked, guesses):
+            proposals[index, :len(guess)] = guess
+        return proposals
 
     # ------------------------------------------------------------------ weights
     @property
