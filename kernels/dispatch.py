@@ -36,6 +36,10 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
     ``head_dim``, pages of ``page_size`` rows, ``num_kv_heads``/``num_q_heads`` heads as the kernel
     sees them (per shard) and a ``kv_dtype`` pool (None: unknown; the TPU choice then assumes
     the strictest case). What runs on the platform at all is :func:`capabilities`' answer."""
+    if impl == "jax_tpu" and num_kv_heads is not None and kv_dtype is not None:
+        refused = jax_tpu.heads_refused(num_kv_heads, num_q_heads, kv_dtype)
+        if refused:  # jax's own error would come from deep in its kernel, after the weights loaded
+            raise ValueError(f"attention_impl='jax_tpu': {refused}; 'auto' picks a kernel that takes them")
     if impl in ATTENTION_IMPLS:
         return impl, "asked for"
     if impl != AUTO:

@@ -116,7 +116,8 @@ def test_jax_tpu_kv_head_rule_is_what_the_kernel_lowers(dtype):
 
 @pytest.mark.parametrize("kv_heads", [3, 6, 12])
 def test_auto_on_tpu_lowers_for_kv_heads_jax_refuses(kv_heads):
-    """Where jax's kernel refuses the KV heads, ``auto`` picks our Mosaic kernel, which lowers."""
+    """Where jax's kernel refuses the KV heads, ``auto`` picks our Mosaic kernel, which lowers; asking
+    for ``jax_tpu`` by name is a ValueError that names the rule, before anything runs."""
     impl, why = kernels.choose_impl("auto", "tpu", 128, 16, num_kv_heads=kv_heads, num_q_heads=2 * kv_heads,
                                     kv_dtype="bfloat16")
     assert impl == "pallas" and "KV heads" in why
@@ -126,6 +127,9 @@ def test_auto_on_tpu_lowers_for_kv_heads_jax_refuses(kv_heads):
     lower(functools.partial(ragged_paged_attention_pallas, sm_scale=0.1, variant="tpu", interpret=False),
           case, "tpu")
     assert not lowers(functools.partial(jax_tpu.ragged_paged_attention_jax_tpu, sm_scale=0.1), *case.args())
+    with pytest.raises(ValueError, match=f"attention_impl='jax_tpu'.*{kv_heads} KV heads"):  # asked for by name
+        kernels.choose_impl("jax_tpu", "tpu", 128, 16, num_kv_heads=kv_heads, num_q_heads=2 * kv_heads,
+                            kv_dtype="bfloat16")
 
 
 # 64 sequences of 8k tokens in pages of 16, 8 KV heads of 128, 32 query heads: a decode step's layer
