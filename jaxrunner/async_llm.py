@@ -26,7 +26,7 @@ class AsyncLLM:
 
     @classmethod
     def from_model(cls, model: str, **engine_options) -> "AsyncLLM":
-        from jaxrunner.llm import LLM
+        from jaxrunner.llm import LLM  # lazy: LLM loads JAX; AsyncLLM and the HTTP server do not
 
         return cls(LLM(model, **engine_options))
 

@@ -9,11 +9,16 @@ import argparse
 import json
 import logging
 import os
+import platform
+import runpy
 import sys
 import time
 
-from jaxrunner.config import DEFAULT_MODEL, DTYPES
+from jaxrunner import __version__, kernels
+from jaxrunner.config import DEFAULT_MODEL, DTYPES, EngineConfig
 from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
+from jaxrunner.models.loading.resolve import ORBAX_MARKER, ModelNotFoundError, resolve_model
+from jaxrunner.sampling_params import SamplingParams
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +61,7 @@ def _engine_options(args) -> dict:
                    tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                    quantization=args.quantization)
     if args.speculative_config is not None:
-        from jaxrunner.llm import speculative_config_options
+        from jaxrunner.llm import speculative_config_options  # lazy: jaxrunner.llm loads JAX; --help must not
 
         try:
             config = json.loads(args.speculative_config)
@@ -70,8 +75,6 @@ def _engine_options(args) -> dict:
 def _narrowed_options(args, most_seqs: int) -> dict:
     """The engine flags, each checked as given, then ``max_num_seqs`` narrowed to ``most_seqs``: a
     command that knows how many sequences it will ever run compiles no wider bucket."""
-    from jaxrunner.config import EngineConfig
-
     options = _engine_options(args)
     EngineConfig(model=args.model, **options)
     options["max_num_seqs"] = min(options["max_num_seqs"], most_seqs)
@@ -80,14 +83,14 @@ def _narrowed_options(args, most_seqs: int) -> dict:
 
 def _join_cluster(args) -> None:
     """Multi-host runs: every process runs the same command with its own --process-id."""
-    from jaxrunner.parallel import distributed
+    from jaxrunner.parallel import distributed  # lazy: it loads JAX, which only commands that run a model need
 
     distributed.initialize_from_env(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _start(model: str, options: dict):
     """Build the LLM and say, in two lines on stderr, what was loaded and how start-up went."""
-    from jaxrunner.llm import LLM
+    from jaxrunner.llm import LLM  # lazy: the CLI loads JAX only for commands that run a model
 
     llm = LLM(model, **options)
     report = llm.startup_report
@@ -99,8 +102,6 @@ def _start(model: str, options: dict):
 
 
 def _sampling(args):
-    from jaxrunner.sampling_params import SamplingParams
-
     return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                           top_p=getattr(args, "top_p", 1.0))
 
@@ -205,8 +206,6 @@ def _check_destination(dst: str, overwrite: bool) -> None:
     if not os.path.isdir(parent):
         raise ValueError(f"destination {dst!r} lies under {parent!r}, which is a file, not a directory")
     if os.path.isdir(path) and os.listdir(path):
-        from jaxrunner.models.loading.resolve import ORBAX_MARKER
-
         if not os.path.isfile(os.path.join(path, ORBAX_MARKER)):
             raise ValueError(f"destination {dst!r} is a non-empty directory that holds no jaxrunner checkpoint; "
                              "valid: a new or empty directory, or a checkpoint to replace with --overwrite")
@@ -215,6 +214,7 @@ def _check_destination(dst: str, overwrite: bool) -> None:
 
 
 def cmd_convert(args) -> int:
+    # lazy: loading and saving a model pull in JAX and numpy, which --help and the other commands do without
     from jaxrunner.models.loading import load_model
     from jaxrunner.models.loading.orbax_ckpt import save_checkpoint
 
@@ -233,13 +233,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import platform
-
-    import jax
-
-    from jaxrunner import __version__, kernels
-    from jaxrunner.config import DEFAULT_MODEL, EngineConfig
-    from jaxrunner.models.loading.resolve import ModelNotFoundError, resolve_model
+    import jax  # lazy: the CLI loads JAX only for commands that ask it about devices or run a model
 
     device = jax.devices()[0]
     try:
@@ -262,10 +256,9 @@ def cmd_info(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from jaxrunner.config import EngineConfig
+    # lazy: FastAPI and uvicorn load only for `serve`
     from jaxrunner.entrypoints.openai.api_server import ServerConfig
     from jaxrunner.entrypoints.openai.server_process import run_server
-    from jaxrunner.models.loading.resolve import resolve_model
 
     model = args.model_tag or args.model
     options = _engine_options(args)
@@ -304,8 +297,6 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def cmd_bench(args) -> int:
-    import runpy
-
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
     script = os.path.join(scripts, "soak.py" if args.kind == "soak" else f"benchmark_{args.kind}.py")
     if not os.path.isfile(script):

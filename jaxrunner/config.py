@@ -82,7 +82,8 @@ class EngineConfig:
         _check_fraction("memory_utilization", self.memory_utilization)
         if self.compilation_cache_dir is not None:
             _check_str("compilation_cache_dir", self.compilation_cache_dir, "a directory path or None")
-        from jaxrunner.models.quant import check_quantization  # the formats live with the quantization code
+        # lazy: models.quant (where the formats live) loads JAX, and the config loads none
+        from jaxrunner.models.quant import check_quantization
 
         check_quantization(self.quantization, self.quantization_group_size)
         check_quantization(self.speculative_quantization, self.quantization_group_size, "speculative_quantization")

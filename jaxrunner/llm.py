@@ -8,11 +8,18 @@ import queue
 import threading
 from typing import Iterator, Sequence
 
+from tqdm.auto import tqdm
+
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
 from jaxrunner.engine.engine import check_unicode
 from jaxrunner.engine.loop import EngineLoop
 from jaxrunner.engine_factory import create_engine
+from jaxrunner.models.flax_nnx import check_protocol
+from jaxrunner.models.loading.gguf import load_gguf_tokenizer
+from jaxrunner.models.loading.hf import load_hf_tokenizer, sampling_defaults
 from jaxrunner.outputs import RequestOutput
+from jaxrunner.parallel import mesh as meshes
+from jaxrunner.runner import weights
 from jaxrunner.runner.preflight import check_before_loading
 from jaxrunner.sampling_params import SamplingParams
 
@@ -51,8 +58,6 @@ class LLM:
         given as ``{"prompt_token_ids": [...]}``). Arrays already on the engine's devices and
         shardings are served in place, with no copy; others are copied device to device. The
         dtype is the params' own (float32 or bfloat16)."""
-        from jaxrunner.runner import weights
-
         return cls._in_memory(lambda mesh, tok: weights.model_from_params(params, config, tok, mesh),
                               weights.params_dtype(params), tokenizer, engine_options)
 
@@ -62,10 +67,7 @@ class LLM:
         (``config``, ``embed``, ``layers`` called with the engine's ``attend``, ``norm``, ``logits``),
         with the paged cache, kernels and warm-up of the built-in models. ``LLM.params`` is then the
         module's ``nnx.State``."""
-        from flax import nnx
-
-        from jaxrunner.models.flax_nnx import check_protocol
-        from jaxrunner.runner import weights
+        from flax import nnx  # lazy: flax is heavy, and only NNX modules need it
 
         check_protocol(module)
         dtype = weights.params_dtype(nnx.state(module))
@@ -76,9 +78,6 @@ class LLM:
     def _in_memory(cls, build_model, dtype: str, tokenizer, engine_options: dict) -> "LLM":
         """An LLM over a model built in memory by ``build_model(mesh of the first replica, tokenizer)``;
         the engine options are checked before it is built."""
-        from jaxrunner.parallel import mesh as meshes
-        from jaxrunner.runner import weights
-
         if engine_options.setdefault("dtype", dtype) != dtype:
             raise ValueError(f"dtype={engine_options['dtype']!r}: the params are {dtype}; cast them, or leave dtype out")
         config = EngineConfig(model=weights.IN_MEMORY, **_engine_options(engine_options))
@@ -86,8 +85,6 @@ class LLM:
         first_row = meshes.replica_meshes(meshes.build_mesh(config.tensor_parallel_size,
                                                             config.data_parallel_size))[0]
         if isinstance(tokenizer, str):
-            from jaxrunner.models.loading.hf import load_hf_tokenizer
-
             tokenizer = load_hf_tokenizer(tokenizer)
         model = build_model(first_row, tokenizer)
         llm = cls.__new__(cls)
@@ -117,8 +114,6 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults applied (temperature,
         top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's; plain defaults without one."""
-        from jaxrunner.models.loading.hf import sampling_defaults
-
         return SamplingParams(**sampling_defaults(self.engine.model.generation_config))
 
     def reset_prefix_cache(self) -> bool:
@@ -276,8 +271,6 @@ class _Collector:
 
     def wait_all(self, loop: EngineLoop, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Block until every request finished; any error (or an interrupt) aborts the rest and raises."""
-        from tqdm.auto import tqdm
-
         finished: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
@@ -434,13 +427,9 @@ def _load_tokenizer(path: str):
         raise ValueError(f"LLM.tokenizer: invalid value {path!r}; valid: a tokenizer directory or a .gguf file")
     path = os.path.expanduser(os.fspath(path))
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from jaxrunner.models.loading.gguf import load_gguf_tokenizer
-
         return load_gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise ValueError(f"LLM.tokenizer: {path!r} is neither a directory nor a .gguf file")
-    from jaxrunner.models.loading.hf import load_hf_tokenizer
-
     return load_hf_tokenizer(path)
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import importlib
 
 from jaxrunner.kernels import jax_tpu
+from jaxrunner.kernels.kv_write import write_kv_pages, write_kv_pages_combined
 from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO
 from jaxrunner.kernels.platform_support import capabilities
-from jaxrunner.kernels.native import supports as supports_head_dim
+from jaxrunner.kernels.native import supports as supports_head_dim, write_kv_pages_native
+from jaxrunner.kernels.xla import ragged_paged_attention_xla
 
 
 def triton_supports(head_dim: int | None) -> bool:
@@ -154,12 +156,8 @@ def write_kv_and_attend(q, k_new, v_new, pools, slot_mapping, kv_lens, page_indi
     if len(pools) != 2:
         raise ValueError(f"pools: expected (k_pages, v_pages) or jax_tpu's (kv_pages,), got {len(pools)} arrays")
     k_pages, v_pages = pools
-    if impl == "native":  # in place for bf16 pools too
-        from jaxrunner.kernels.native import write_kv_pages_native as write_kv_pages
-    else:
-        from jaxrunner.kernels.kv_write import write_kv_pages
-
-    k_pages, v_pages = write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
+    write = write_kv_pages_native if impl == "native" else write_kv_pages  # native: in place for bf16 pools too
+    k_pages, v_pages = write(k_pages, v_pages, k_new, v_new, slot_mapping)
     out, k_pages, v_pages = _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
                                     max_prefill_seqs=max_prefill_seqs, return_pools=True)
@@ -170,8 +168,6 @@ def _write_combined_and_attend(q, k_new, v_new, kv_pages, slot_mapping, kv_lens,
                                *, sm_scale, sliding_window, soft_cap, impl):
     """``jax_tpu`` over its own layout: the step's K/V scattered into the combined pool in place,
     the page table handed to jax's kernel as it is."""
-    from jaxrunner.kernels.kv_write import write_kv_pages_combined
-
     if impl != "jax_tpu":
         raise ValueError(f"pools: one combined pool is jax_tpu's layout, but impl is {impl!r}; pass "
                          f"(k_pages, v_pages) for it, or impl='jax_tpu' (see kv_pool_shapes)")
@@ -198,8 +194,6 @@ def _attend(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
               soft_cap=None if soft_cap is None else float(soft_cap))
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "xla":  # hands back the pools its loops carried
-        from jaxrunner.kernels.xla import ragged_paged_attention_xla
-
         return ragged_paged_attention_xla(*args, **kw, max_prefill_seqs=max_prefill_seqs, return_pools=return_pools)
     module, function = ATTENTION_KERNELS[impl]
     out = getattr(importlib.import_module(f"jaxrunner.kernels.{module}"), function)(*args, **kw)

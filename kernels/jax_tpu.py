@@ -33,7 +33,7 @@ _F32_KV_HEADS = "1, 2, 4, or a multiple of 4 with 2+ query heads per KV head"
 
 def available() -> str | None:
     """None when the installed jax ships the kernel, else why not."""
-    try:
+    try:  # lazy: this is the probe: not every jax ships the TPU kernel
         from jax.experimental.pallas.ops.tpu import ragged_paged_attention  # noqa: F401
     except ImportError as e:
         return f"this jax has no jax.experimental.pallas.ops.tpu.ragged_paged_attention ({e})"
@@ -85,6 +85,7 @@ def attend_combined(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
                     soft_cap=None, num_kv_pages_per_block=None, num_queries_per_block=None):
     """Our contract over jax's layout: ``kv_pages`` [P, page_size, 2 * Hkv, D] (K at even heads),
     read by the kernel where it lies, through the page table as given (clamped into the pool)."""
+    # lazy: only some jax builds ship jax's TPU kernel (``available``); read at each call, so tests can swap it
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     kv_block, q_block = _block_sizes(q.shape[0], page_indices.shape[1], num_kv_pages_per_block,

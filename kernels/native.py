@@ -24,7 +24,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
+
+from jaxrunner.kernels.kv_write import check_write_shapes
 
 logger = logging.getLogger("jaxrunner")
 
@@ -79,8 +82,6 @@ def _cache_dir() -> Path:
 def library_path(name: str, compiler: str, files, flags=FLAGS) -> Path:
     """Where the library ``name`` built from ``files`` lives in the cache: keyed by their bytes, the
     jaxlib version, the compiler, the flags and the CPU's feature flags."""
-    import jaxlib
-
     key = hashlib.sha256()
     sources = [Path(path).read_bytes() for path in files]
     for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
@@ -184,8 +185,6 @@ def write_kv_pages_native(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Same contract as :func:`jaxrunner.kernels.kv_write.write_kv_pages`, for float32 and bfloat16
     pools alike: the outputs alias the input pools, so under donation the write is in place and
     touches only the T new rows (XLA:CPU's own bf16 scatter converts the whole pool)."""
-    from jaxrunner.kernels.kv_write import check_write_shapes
-
     _require()
     check_write_shapes(k_pages, v_pages, k_new, v_new, slot_mapping)
     pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))

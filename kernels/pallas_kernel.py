@@ -238,7 +238,7 @@ def _split_tiles(t_lo, t_hi, num_splits):
 def _gpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, k_ref, v_ref, o_ref,
                 *lse_ref, sm_scale, sliding_window, soft_cap, group, page_size, width, block_k,
                 num_pages, num_splits, masked_loads):
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # lazy: Triton's Pallas backend exists only where jax ships it
 
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -368,7 +368,7 @@ def merge_splits(o, lse):
 def _gpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_window, soft_cap,
               group, block_k, num_warps, num_stages, num_splits, masked_loads, interpret,
               shared_memory_bytes):
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # lazy: Triton's Pallas backend exists only where jax ships it
 
     nb, num_kv_heads, rows_pad, head_dim = qblk.shape
     num_pages, page_size = k_pages.shape[:2]
@@ -486,7 +486,7 @@ def _tpu_kernel(seq_ref, qpos0_ref, nrows_ref, kvl_ref, pt_ref, q_ref, *rest, sm
 
 def _tpu_call(meta, page_indices, qblk, k_pages, v_pages, *, sm_scale, sliding_window, soft_cap,
               group, interpret, pages_per_step=None):
-    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import tpu as pltpu  # lazy: Mosaic's Pallas backend matters only for TPU
 
     nb, num_kv_heads, rows_pad, head_dim = qblk.shape
     num_pages, page_size = k_pages.shape[:2]

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import jax
 
+from jaxrunner.kernels import jax_tpu, native, onednn
 from jaxrunner.kernels.names import ATTENTION_IMPLS, CPU_MATMUL_CHOICES
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -131,16 +132,12 @@ def capabilities(platform: str | None = None, device_count: int | None = None) -
 def _native_cpu(platform: str) -> str | None:
     if platform != "cpu":
         return f"not used on {platform}"  # not built: nothing of it would run
-    from jaxrunner.kernels import native
-
     return native.unavailable_reason()
 
 
 def _attention(platform: str, native_cpu: str | None) -> dict[str, str | None]:
     """Every implementation -> None when it runs on ``platform``, else why not. ``pallas`` runs
     everywhere (interpreted on CPU: tests only, orders of magnitude slower)."""
-    from jaxrunner.kernels import jax_tpu
-
     why: dict[str, str | None] = dict.fromkeys(ATTENTION_IMPLS)
     why["native"] = native_cpu if platform == "cpu" else f"the native kernel runs on CPU only, not {platform}"
     why["jax_tpu"] = jax_tpu.available() if platform == "tpu" else f"jax's TPU kernel runs on TPU only, not {platform}"
@@ -175,16 +172,12 @@ def onednn_unavailable(platform: str = "cpu") -> str | None:
     """None when oneDNN's matmul is built and loaded here; else why not."""
     if platform != "cpu":
         return f"oneDNN's matmul is used on CPU only, not {platform}"
-    from jaxrunner.kernels import onednn
-
     return onednn.unavailable_reason()
 
 
 def _onednn_faster() -> tuple[tuple[str, ...], int, int]:
     """(dtypes, fewest rows, smallest weight in bytes) of the products oneDNN runs faster than
     XLA's dot on this CPU, from :data:`ONEDNN_FASTER` (the first row whose CPU flag is present)."""
-    from jaxrunner.kernels import native
-
     flags = set(native.cpu_features())
     for flag, *faster in ONEDNN_FASTER:
         if flag in flags:

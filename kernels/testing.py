@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import jax
+import ml_dtypes
 import numpy as np
 
 from jaxrunner.kernels.blocks import SCRATCH_PAGE
@@ -54,7 +56,6 @@ class PagedCase:
 
 def _to_dtype(x, dtype):
     if dtype in ("bfloat16", "bf16"):
-        import ml_dtypes
         return x.astype(ml_dtypes.bfloat16)
     return x.astype(dtype)
 
@@ -124,11 +125,9 @@ def lowering_context(platform: str):
     generation. An abstract device (``jax.sharding.use_abstract_mesh``) stands in: an H200, a
     TPU v5e. Other platforms need nothing.
     """
-    import jax
-
     if platform not in ABSTRACT_DEVICES or not hasattr(jax.sharding, "AbstractDevice"):
         return contextlib.nullcontext()
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType  # lazy: older jax has no AbstractDevice
 
     kind, cores, plat = ABSTRACT_DEVICES[platform]
     device = AbstractDevice(device_kind=kind, num_cores=cores, platform=plat)

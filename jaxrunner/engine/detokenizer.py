@@ -56,7 +56,7 @@ class _StreamDecoder:
 
 def _decode_stream_type():
     """``DecodeStream`` if this ``tokenizers`` has it and it takes context ids, else None."""
-    try:
+    try:  # lazy: the engine loads no tokenizer library; an older tokenizers lacks DecodeStream
         from tokenizers.decoders import DecodeStream
     except ImportError:
         return None

@@ -72,7 +72,7 @@ class NnxArchitecture:
     cfg: ModelConfig
 
     def _module(self, params):
-        from flax import nnx
+        from flax import nnx  # lazy: flax is heavy, and only NNX modules need it
 
         return nnx.merge(self.graphdef, params)
 
@@ -103,7 +103,7 @@ class NnxArchitecture:
 
 def split_module(module):
     """(architecture, params) of a servable module; ``ValueError`` when it is not one."""
-    from flax import nnx
+    from flax import nnx  # lazy: flax is heavy, and only NNX modules need it
 
     cfg = check_protocol(module)
     graphdef, state = nnx.split(module)

@@ -24,8 +24,10 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.models.registry import family_for_config
 
 
 class CheckpointError(ValueError):
@@ -74,8 +76,6 @@ def build_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, sourc
     ``SafetensorsTensors``) nothing else is resident. Top-level leaves arrive inside their one-key
     dict (``{"embed": array}``), so that ``place`` sees their names (sharding goes by name).
     """
-    from jaxrunner.models.registry import family_for_config
-
     return family_for_config(cfg).build_params(state, cfg, place, source, progress)
 
 
@@ -83,8 +83,6 @@ def build_decoder_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, plac
                          layer_params) -> dict:
     """The usual decoder tree: ``embed``, ``layers`` (``layer_params(state, cfg, i, source)`` each),
     ``final_norm`` and, unless tied, ``lm_head`` ([d, vocab]), from the usual HF names."""
-    from tqdm.auto import tqdm
-
     d, vocab = cfg.hidden_size, cfg.vocab_size
     params = place({"embed": take(state, "model.embed_tokens.weight", (vocab, d), source)})
     layers = tqdm(range(cfg.num_layers), desc=f"Loading {os.path.basename(source)}", unit="layer",
@@ -107,8 +105,6 @@ def decoder_shapes(cfg: ModelConfig, layer: dict) -> dict:
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """The shape of every leaf of the params pytree that ``build_params`` makes for ``cfg``."""
-    from jaxrunner.models.registry import family_for_config
-
     return family_for_config(cfg).param_shapes(cfg)
 
 

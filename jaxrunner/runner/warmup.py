@@ -18,9 +18,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxrunner import kernels
 from jaxrunner.executor_protocol import NO_FEED, NO_TOKEN, SequenceInput
+from jaxrunner.kernels.tolerance import attention_tolerance
+from jaxrunner.models import moe
 from jaxrunner.runner.buckets import Bucket
 from jaxrunner.runner.memory import StartupError
 from jaxrunner.runner.step_batch import StepBatch, lay_out, random_sampling_rows
@@ -141,8 +144,6 @@ def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads:
     sequence): about 1e-6 for float32 caches on full-precision dots, 2e-3 on TF32, 0.07 for
     bfloat16 caches.
     """
-    from jaxrunner.kernels.tolerance import attention_tolerance
-
     bucket = Bucket(bucket.num_tokens, bucket.num_seqs, min(bucket.num_pages, SELF_CHECK_MAX_PAGES))
     num_pages = bucket.num_seqs * bucket.num_pages + 1
     dummy = random_dummy_batch(key, bucket, page_size, num_pages, 64, 1 << 30, max_prefill_seqs)
@@ -177,8 +178,6 @@ def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_si
     up to warm-up's wall time: ``dummy_batches``, ``trace`` and ``lower`` (Σ over buckets, on this
     thread), ``compile`` (the wait for compile threads beyond lowering), ``run``.
     """
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     if mode == "random":
         batches = {b: random_dummy_batch(jax.random.fold_in(key, i), b, page_size, runner.cache_spec.num_pages,
@@ -222,8 +221,6 @@ def expert_load_report(runner, architecture, bucket: Bucket, random_batch: StepB
     load, the expert blocks the loop runs, and the step's time. Counts come from
     ``architecture.expert_load`` (the forward with attention inside each sequence and no cache).
     """
-    from jaxrunner.models import moe
-
     probe = jax.jit(architecture.expert_load)
     cfg = architecture.cfg
     report = {"bucket": str(bucket), "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok}

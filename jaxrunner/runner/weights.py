@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models import registry
+from jaxrunner.models.flax_nnx import split_module
 from jaxrunner.models.registry import config_from_hf
 from jaxrunner.models.loading import LoadedModel
 from jaxrunner.models.loading.resolve import ModelSource
@@ -102,8 +103,6 @@ def model_from_params(params, config, tokenizer, mesh) -> LoadedModel:
 
 def model_from_nnx(module, tokenizer, mesh) -> LoadedModel:
     """A ``LoadedModel`` over a Flax NNX module that follows ``models.flax_nnx``'s protocol."""
-    from jaxrunner.models.flax_nnx import split_module
-
     start = time.perf_counter()
     architecture, state = split_module(module)
     if meshes.tensor_parallel_size(mesh) > 1:

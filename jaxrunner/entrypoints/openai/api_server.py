@@ -40,6 +40,7 @@ from jaxrunner.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from jaxrunner.entrypoints.openai.protocol import RequestError
 from jaxrunner.entrypoints.openai.tool_calls import ToolDeltas, ToolPlan, plan_tools, reply
 from jaxrunner.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from jaxrunner.models.loading.hf import read_generation_config, sampling_defaults
 
 logger = logging.getLogger("jaxrunner.server")
 
@@ -317,8 +318,6 @@ def _chat_prompt(state: ServerState, async_llm: AsyncLLM, body, continue_final_m
 def _sampling_defaults(source: str, llm) -> dict:
     """SamplingParams fields the model's generation config sets ("auto"), none ("vllm"), or those of the
     generation_config.json in a directory, as vLLM's --generation-config."""
-    from jaxrunner.models.loading.hf import read_generation_config, sampling_defaults
-
     if source == "vllm":
         return {}
     if source == "auto":

@@ -70,7 +70,7 @@ def run_server(config: ServerConfig, engine_options: dict) -> int:
         _log_to_stderr(logging.getLogger("jaxrunner.server"))
 
     def load() -> None:
-        from jaxrunner.llm import LLM
+        from jaxrunner.llm import LLM  # lazy: JAX loads here, on the load thread, once the port is open
 
         try:
             state.set_llm(LLM(config.model, **engine_options))

@@ -10,7 +10,7 @@ ENTRY_POINT = ("LoadedModel", "ModelPeek", "load_model", "peek_model")
 
 def __getattr__(name):
     if name in ENTRY_POINT:
-        from jaxrunner.models.loading import model
+        from jaxrunner.models.loading import model  # lazy: it loads JAX; the format readers do not
 
         return getattr(model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

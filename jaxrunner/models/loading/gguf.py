@@ -30,6 +30,9 @@ from typing import Any, Mapping
 
 import gguf
 import numpy as np
+from tqdm.auto import tqdm
+
+from jaxrunner.models.loading import gguf_tokenizer
 
 __all__ = [
     "GGUFCheckpoint",
@@ -449,6 +452,7 @@ class DequantizedTensors(Mapping):
         """``hf_name``'s weight-only leaf ([out, in], numpy; ``models/quant.py``) read from the
         file's quantized blocks without dequantizing (see ``gguf_blocks``), or None when its
         GGML type has no exact packed form (F32, F16, Q5_*, Q6_K, ...)."""
+        # lazy: gguf_blocks loads JAX, which reading a GGUF does not need
         from jaxrunner.models.loading.gguf_blocks import weight_only_leaf
 
         t = self._tensors[self._names[hf_name]]
@@ -512,8 +516,6 @@ def load_gguf(path: str | os.PathLike, *, progress: bool = True) -> GGUFCheckpoi
     :class:`UnsupportedGGUFError` for an unsupported architecture or tensor type; nothing is
     silently dropped or zero-filled (unknown or missing tensors are errors).
     """
-    from tqdm.auto import tqdm
-
     checkpoint = open_gguf(path)
     lazy = checkpoint.state_dict
     bar = tqdm(lazy, desc=f"Loading {os.path.basename(checkpoint.path)}", unit="tensor",
@@ -599,8 +601,6 @@ def load_gguf_tokenizer(path: str | os.PathLike, reader=None):
         raise GGUFFormatError(f"{path}: GGUF file holds no tokenizer (no tokenizer.ggml.model)", path)
     if kind not in ("gpt2", "llama"):
         return _transformers_gguf_tokenizer(path, kind)
-    from jaxrunner.models.loading import gguf_tokenizer
-
     tokens = _field_value(reader, "tokenizer.ggml.tokens")
     merges = _field_value(reader, "tokenizer.ggml.merges")
     if not tokens or (kind == "gpt2" and merges is None):
@@ -627,7 +627,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, reader=None):
 
 def _transformers_gguf_tokenizer(path: str, kind: str):
     """transformers' GGUF converter (needs torch): tokenizer models other than byte-level BPE."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers is heavy; other tokenizers do without it
 
     directory, name = os.path.split(os.path.abspath(path))
     try:

@@ -121,7 +121,7 @@ def _set_bos(tok: Tokenizer, tokens: list[str], bos_id: int | None, add_bos: boo
 def wrap(tokenizer: Tokenizer, tokens: list[str], special_ids: dict[str, int | None],
          chat_template: str | None, add_bos: bool):
     """A transformers fast tokenizer around ``tokenizer`` (transformers' tokenizer classes need no torch)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers is heavy; reading GGUF weights needs none
 
     specials = {name: tokens[i] for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)}
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)

@@ -96,7 +96,7 @@ def load_hf_state_dict(model_dir: str, progress: bool = False) -> dict[str, np.n
 
 
 def load_hf_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is heavy; reading weights needs none
 
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 

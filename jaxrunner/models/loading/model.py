@@ -12,11 +12,18 @@ import os
 import time
 from typing import Mapping
 
+import jax
+
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.registry import config_from_hf, kv_grouped_leaves, partition_rules
+from jaxrunner.models.loading.gguf import load_gguf_tokenizer, open_gguf
+from jaxrunner.models.loading.hf import load_hf_tokenizer, open_hf_state_dict, read_hf_config
+from jaxrunner.models.loading.hf import read_generation_config as read_hf_generation_config
+from jaxrunner.models.loading.orbax_ckpt import CONFIG_FILE, load_checkpoint, read_checkpoint_info
 from jaxrunner.models.loading.precision import choose_dtype
 from jaxrunner.models.loading.resolve import ModelSource, resolve_model
 from jaxrunner.models.params import build_params, cast_params, params_count, params_nbytes
+from jaxrunner.parallel import mesh as meshes, sharding
 
 logger = logging.getLogger("jaxrunner")
 
@@ -70,16 +77,12 @@ def peek_model(model: str) -> ModelPeek:
     marker) and stored dtype, without reading any weight."""
     source = resolve_model(model)
     if source.kind == "orbax":
-        from jaxrunner.models.loading.orbax_ckpt import read_checkpoint_info
-
         stored = read_checkpoint_info(source.path).get("dtype", "float32")
         return ModelPeek(source, _orbax_config(source), stored if stored in _FLOAT_DTYPES else "float32")
     if source.kind == "gguf":
         checkpoint = _open_gguf(source.path, keep=True)
         return ModelPeek(source, config_from_hf(checkpoint.hf_config, source=source.path),
                          _gguf_dtype(checkpoint.tensor_types))
-    from jaxrunner.models.loading.hf import read_hf_config
-
     hf_config = read_hf_config(source.path)
     stored = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     return ModelPeek(source, config_from_hf(hf_config, source=source.path),
@@ -92,8 +95,6 @@ _peeked_gguf: dict = {}  # (path, size, mtime) -> the GGUFCheckpoint peek_model 
 def _open_gguf(path: str, keep: bool):
     """``open_gguf``, parsed once for a peek and the load after it (the metadata takes ~1 s to parse);
     ``keep=False`` (the load) hands the cached one over and forgets it."""
-    from jaxrunner.models.loading.gguf import open_gguf
-
     stat = os.stat(path)
     key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     checkpoint = _peeked_gguf.get(key) or open_gguf(path)
@@ -129,9 +130,7 @@ def read_generation_config(source: ModelSource) -> dict | None:
     (GGUF files carry none)."""
     if source.kind == "gguf":
         return None
-    from jaxrunner.models.loading.hf import read_generation_config as read
-
-    return read(source.path)
+    return read_hf_generation_config(source.path)
 
 
 def _with_generation_eos(config: ModelConfig, generation_config: dict | None) -> ModelConfig:
@@ -144,28 +143,20 @@ def _with_generation_eos(config: ModelConfig, generation_config: dict | None) ->
 
 
 def _platform(mesh) -> str:
-    import jax
-
     return mesh.devices.flat[0].platform if mesh is not None else jax.devices()[0].platform
 
 
 def _read_host(source: ModelSource) -> tuple[dict, _HostWeights, object]:
     """(hf_config, weights, tokenizer) from any source kind."""
     if source.kind == "orbax":
-        from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
-
         params, hf_config, tokenizer = load_checkpoint(source.path)
         config_from_hf(hf_config, source=source.path)  # validate before use
         return hf_config, _HostWeights(params=params), tokenizer
     if source.kind == "gguf":
-        from jaxrunner.models.loading.gguf import load_gguf_tokenizer
-
         checkpoint = _open_gguf(source.path, keep=False)
         hf_config, state = checkpoint.hf_config, checkpoint.state_dict
         tokenizer = load_gguf_tokenizer(source.path, checkpoint.reader)
     else:
-        from jaxrunner.models.loading.hf import load_hf_tokenizer, open_hf_state_dict, read_hf_config
-
         hf_config = read_hf_config(source.path)
         config_from_hf(hf_config, source=source.path)  # fail on architecture before reading weights
         state, tokenizer = open_hf_state_dict(source.path), load_hf_tokenizer(source.path)
@@ -176,8 +167,6 @@ def _orbax_config(source: ModelSource) -> ModelConfig | None:
     """The config of an orbax checkpoint, read without touching its arrays (None for other kinds)."""
     if source.kind != "orbax":
         return None
-    from jaxrunner.models.loading.orbax_ckpt import CONFIG_FILE, read_checkpoint_info
-
     read_checkpoint_info(source.path)
     with open(os.path.join(source.path, CONFIG_FILE)) as f:
         return config_from_hf(json.load(f), source=source.path)
@@ -188,8 +177,6 @@ def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: st
 
     A state dict is placed a piece at a time (``build_params``): host memory never holds the whole
     model in float32. KV heads are replicated per layer when there are fewer than shards."""
-    from jaxrunner.parallel import mesh as meshes, sharding
-
     tp = 1 if mesh is None else meshes.tensor_parallel_size(mesh)
     meshes.check_tensor_parallel(cfg, tp)
     served = sharding.served_config(cfg, tp)
@@ -210,8 +197,6 @@ def _place(weights: _HostWeights, cfg: ModelConfig, dtype: str, mesh, source: st
 def _restores_into_shards(cfg: ModelConfig, mesh) -> bool:
     """Whether a checkpoint of ``cfg`` can be restored straight into ``mesh``'s shardings: yes
     unless KV heads must be replicated first (that goes through host memory)."""
-    from jaxrunner.parallel import mesh as meshes, sharding
-
     tp = meshes.tensor_parallel_size(mesh)
     meshes.check_tensor_parallel(cfg, tp)
     return sharding.kv_replication(cfg, tp) == 1
@@ -219,9 +204,6 @@ def _restores_into_shards(cfg: ModelConfig, mesh) -> bool:
 
 def _restore_sharded(source: ModelSource, cfg: ModelConfig, dtype: str, mesh):
     """An orbax checkpoint restored straight into its shardings: no full copy anywhere first."""
-    from jaxrunner.models.loading.orbax_ckpt import load_checkpoint
-    from jaxrunner.parallel import sharding
-
     params, hf_config, tokenizer = load_checkpoint(source.path, dtype=dtype,
                                                    shardings=sharding.sharding_for_path(mesh, partition_rules(cfg)))
     return hf_config, params, tokenizer

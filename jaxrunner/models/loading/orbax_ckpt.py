@@ -15,6 +15,7 @@ arrays, or as ``jax.Array`` placed by ``shardings`` when given.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -56,7 +57,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _leaves_dtype(params) -> str:
-    import jax
+    import jax  # lazy: the format readers load JAX only to save or restore weights
 
     dtypes = {str(np.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(params)}
     if not dtypes:
@@ -66,7 +67,7 @@ def _leaves_dtype(params) -> str:
 
 def _to_host(params):
     """Fully addressable jax arrays -> numpy (topology-free checkpoint); the rest stays as is."""
-    import jax
+    import jax  # lazy: the format readers load JAX only to save or restore weights
 
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -85,6 +86,7 @@ def save_checkpoint(dst_dir: str | os.PathLike, params, hf_config: dict, tokeniz
     which is replaced. The marker file is written last, so an interrupted save is recognised as
     incomplete by :func:`load_checkpoint`. Returns the absolute directory.
     """
+    # lazy: orbax is heavy, and the format readers load JAX only to save or restore weights
     import jax
     import orbax.checkpoint as ocp
 
@@ -126,9 +128,7 @@ def save_checkpoint(dst_dir: str | os.PathLike, params, hf_config: dict, tokeniz
         "has_tokenizer": tokenizer is not None,
     }
     try:
-        from importlib.metadata import version
-
-        marker["jaxrunner_version"] = version("jaxrunner")
+        marker["jaxrunner_version"] = importlib.metadata.version("jaxrunner")
     except Exception:
         pass
     tmp = os.path.join(dst, MARKER_FILE + ".tmp")
@@ -178,7 +178,9 @@ def load_checkpoint(src_dir: str | os.PathLike, dtype=None, *, shardings=None,
     path), restored as ``jax.Array`` with each device reading only its own slice.
     ``tokenizer`` is ``None`` when the checkpoint holds none (or ``load_tokenizer=False``).
     """
+    # lazy: orbax is heavy, and the format readers load JAX only to save or restore weights
     import jax
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     src = os.path.abspath(os.fspath(src_dir))
@@ -205,8 +207,6 @@ def load_checkpoint(src_dir: str | os.PathLike, dtype=None, *, shardings=None,
                               f"({type(e).__name__}: {e})", src) from e
     if tree is None:
         raise CheckpointError(f"{src}: corrupt checkpoint: no params metadata", src)
-
-    import jax.numpy as jnp
 
     np_dtype = None if dtype is None else jnp.dtype(dtype)  # accepts "bfloat16" too
     if shardings is None:
@@ -241,7 +241,7 @@ def load_checkpoint(src_dir: str | os.PathLike, dtype=None, *, shardings=None,
     if load_tokenizer and info.get("has_tokenizer", True) and (
             os.path.isfile(os.path.join(src, "tokenizer_config.json"))
             or os.path.isfile(os.path.join(src, "tokenizer.json"))):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers is heavy; only a saved tokenizer needs it
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
