@@ -636,19 +636,36 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_vllm_python(args) -> str:
-    """The peer interpreter, checked before the long start-up: it must exist and import vllm."""
+    """The vLLM peer's interpreter, checked before the long start-up."""
+    return check_peer_python(args.vllm_python, "vllm", "--vllm-python", "vllm", "vLLM (e.g. its CPU build)")
+
+
+def check_peer_python(path: str | None, peer: str, flag: str, module: str, what: str) -> str:
+    """The interpreter of ``--compare peer`` (``flag``'s value): it must exist and import ``module``."""
     import subprocess
 
-    path = args.vllm_python
     if not path:
-        raise BenchError("--compare vllm needs --vllm-python PATH (the python of an environment with vLLM)")
+        raise BenchError(f"--compare {peer} needs {flag} PATH (the python of an environment with {what})")
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise BenchError(f"--vllm-python {path!r}: not an executable file")
-    probe = subprocess.run([path, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+        raise BenchError(f"{flag} {path!r}: not an executable file")
+    probe = subprocess.run([path, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
         tail = (probe.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        raise BenchError(f"--vllm-python {path!r}: cannot import vllm ({tail[0]})")
+        raise BenchError(f"{flag} {path!r}: cannot import {module} ({tail[0]})")
     return path
+
+
+def run_llamacpp_peer(python: str, spec: dict, progress: bool = False, timeout: float | None = None) -> dict:
+    """Run ``llamacpp_peer.py`` with the peer's Python; the JSON it writes ({"info", "result"})."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="jaxrunner-llamacpp-") as tmp:
+        spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump({**spec, "result": result_path}, f)
+        _run_peer_script([python, LLAMACPP_PEER_SCRIPT, spec_path], _peer_env(), progress, timeout, "llama.cpp peer")
+        with open(result_path, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def vllm_model_spec(args, options: dict) -> dict:
@@ -667,6 +684,7 @@ def vllm_model_spec(args, options: dict) -> dict:
 
 
 VLLM_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+LLAMACPP_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_peer.py")
 
 
 def vllm_peer_model(spec: dict, progress: bool = False, timeout: float | None = None) -> dict:

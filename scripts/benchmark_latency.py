@@ -14,7 +14,14 @@ time of ``generate(max_new_tokens=1)``, end-to-end that of ``generate(max_new_to
 (e2e − TTFT) / (n − 1); percentiles are over repetitions. It runs in its own process (JAX's CPU
 threads slow torch down when they share one). vLLM (``--compare vllm --vllm-python PATH``) is
 timed the same way through its own ``LLM.generate``, in its own Python and process
-(``vllm_peer.py``). Greedy, EOS ignored, random token prompts.
+(``vllm_peer.py``). llama.cpp (``--compare llamacpp --llamacpp-python PATH``, batch 1, a GGUF model:
+the same file) streams each prompt through llama-cpp-python in its own process
+(``llamacpp_peer.py``). Greedy, EOS ignored, random token prompts.
+
+Each jaxrunner row also says where it sits against this machine's ceilings, measured in the same
+run (``roofline.py``; ``--no-roofline`` skips it): decoding's GB/s (the weights and K/V a step
+reads, per TPOT) against the copy bandwidth, and prefill's GFLOP/s (per TTFT) against the matmul
+rate of the model's MLP product at the prompt's rows.
 
 Speculative decoding: ``--speculative-method ngram`` serves with n-gram proposals, ``draft_model``
 with a draft model's (``--speculative-model``, optionally ``--speculative-quantization``), and
@@ -45,6 +52,7 @@ import numpy as np  # noqa: E402
 import _bench_common as common  # noqa: E402
 
 KIND = "latency"
+PEERS = ("hf", "vllm", "llamacpp")
 _ids = itertools.count()
 
 
@@ -56,8 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-lens", default="32,128", help="output lengths in tokens")
     parser.add_argument("--repetitions", type=int, default=5, help="measured repetitions per combination")
     parser.add_argument("--warmup-repetitions", type=int, default=1, help="unmeasured repetitions first")
-    parser.add_argument("--compare", choices=["none", "hf", "vllm", "hf,vllm"], default="none",
-                        help="also measure transformers' generate, vLLM's, or both, on batches of the same shapes")
+    parser.add_argument("--compare", default="none",
+                        help=f"also measure these peers on batches of the same shapes, comma-separated: "
+                             f"{', '.join(PEERS)} (or none)")
+    parser.add_argument("--llamacpp-python", default=None,
+                        help="for --compare llamacpp: the python of an environment with llama-cpp-python")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip measuring the copy bandwidth and matmul rate the rows are set against")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None,
                       help="propose tokens this way: ngram, draft_model, or both comma-separated (an engine each)")
@@ -172,6 +185,57 @@ def measure_jaxrunner(engines: dict, batch_size: int, input_len: int, output_len
     return summaries
 
 
+# ----------------------------------------------------------------------------- ceilings
+def with_roofline(rows: list[dict], llms: dict, progress: bool) -> tuple[list[dict], dict]:
+    """Every jaxrunner row set against the copy bandwidth and the matmul rate at its prefill rows,
+    both measured now, in this process (``roofline.py``)."""
+    import roofline
+
+    llm = next(iter(llms.values()))[0]
+    limits = {"copy_gbps": roofline.copy_gbps(), "matmul_gflops": {}}
+    traffic = {name: roofline.model_traffic(each) for name, (each, _) in llms.items()}
+    annotated = []
+    for row in rows:
+        prefill_rows = row["batch_size"] * row["input_len"]
+        if prefill_rows not in limits["matmul_gflops"]:
+            limits["matmul_gflops"][prefill_rows] = roofline.matmul_ceiling(llm, prefill_rows)
+        rate = limits["matmul_gflops"][prefill_rows]["matmul_gflops"]
+        annotated.append(roofline.annotate(row, traffic[row["engine"]], {"copy_gbps": limits["copy_gbps"],
+                                                                          "matmul_gflops": rate}))
+    if progress:
+        print(f"ceilings: copy {limits['copy_gbps']:.1f} GB/s; matmul {limits['matmul_gflops']}", file=sys.stderr)
+    return annotated, dict(limits, traffic=traffic)
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+def check_llamacpp(args, batch_sizes: list[int]) -> str:
+    if batch_sizes != [1]:
+        raise common.BenchError(f"--compare llamacpp: --batch-sizes {args.batch_sizes}: llama-cpp-python serves one "
+                                "sequence at a time; pass --batch-sizes 1")
+    if not args.model.endswith(".gguf") and args.model != common.DEFAULT_MODEL:
+        raise common.BenchError(f"--compare llamacpp: --model {args.model!r}: llama.cpp reads GGUF files; pass one")
+    return common.check_peer_python(args.llamacpp_python, "llamacpp", "--llamacpp-python", "llama_cpp",
+                                    "llama-cpp-python (CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python)")
+
+
+def llamacpp_peer(python: str, args, combos: list[tuple[int, int, int]], vocab: int, low: int,
+                  progress: bool) -> tuple[list[dict], dict]:
+    """llama.cpp on the same GGUF file, batch 1, the same prompt lengths (``llamacpp_peer.py``)."""
+    from jaxrunner.models.loading.resolve import resolve_model
+
+    rng = np.random.default_rng(args.seed + 2)
+    count = args.warmup_repetitions + args.repetitions
+    batches = [{"batch_size": b, "input_len": i, "output_len": o,
+                "prompts": common.random_prompts(rng, [i] * count, vocab, low)} for b, i, o in combos]
+    spec = {"gguf": resolve_model(args.model).path, "threads": os.cpu_count(),
+            "n_ctx": max(i + o for _, i, o in combos) + 8, "warmup_repetitions": args.warmup_repetitions,
+            "batches": batches}
+    out = common.run_llamacpp_peer(python, spec, progress)
+    rows = [{"engine": "llama.cpp", "batch_size": r["batch_size"], "input_len": r["input_len"],
+             "output_len": r["output_len"], **_summary(r["ttft"], r["tpot"], r["e2e"])} for r in out["result"]]
+    return rows, out["info"]
+
+
 # ----------------------------------------------------------------------------- transformers
 def measure_hf(hf_model, pad_id: int, vocab: int, low: int, batch_size: int, input_len: int, output_len: int,
                repetitions: int, rng: np.random.Generator, warmup_repetitions: int = 1) -> dict:
@@ -234,7 +298,7 @@ def _hf_work(hf_model, pad_id: int, spec: dict) -> list[dict]:
 
 # ----------------------------------------------------------------------------- report
 TABLE_HEADERS = ["engine", "prompt", "accepted", "batch", "in", "out", "TTFT p50 ms", "p90", "p99", "TPOT p50 ms", "p90", "p99",
-                 "E2E p50 s", "p90", "p99"]
+                 "E2E p50 s", "p90", "p99", "decode GB/s (of copy)", "prefill GFLOP/s (of matmul)"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -245,8 +309,15 @@ def table_rows(rows: list[dict]) -> list[list]:
         out.append([r["engine"], r.get("prompt_kind", "random"), "-" if rate is None else f"{rate:.0%}", r["batch_size"], r["input_len"], r["output_len"],
                     common.ms(t["p50"]), common.ms(t["p90"]), common.ms(t["p99"]),
                     common.ms(p["p50"]), common.ms(p["p90"]), common.ms(p["p99"]),
-                    e["p50"], e["p90"], e["p99"]])
+                    e["p50"], e["p90"], e["p99"], _against(r, "decode_gbps", "decode_frac_of_copy"),
+                    _against(r, "prefill_gflops", "prefill_frac_of_matmul")])
     return out
+
+
+def _against(row: dict, value: str, fraction: str) -> str:
+    if row.get(value) is None:
+        return "-"
+    return f"{row[value]:.1f} ({row[fraction]:.0%})"
 
 
 def _label(row: dict) -> str:
@@ -312,11 +383,15 @@ def main(argv=None) -> int:
     if args.repetitions < 1 or args.warmup_repetitions < 0:
         raise common.BenchError("--repetitions must be >= 1 and --warmup-repetitions >= 0")
     peers = args.compare.split(",") if args.compare != "none" else []
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise common.BenchError(f"--compare {args.compare}: unknown {unknown}; valid: {', '.join(PEERS)} or none")
     if peers and prompt_kinds != ["random"]:
         raise common.BenchError(f"--compare {args.compare} measures random token prompts only (--prompt-kind random)")
     if "hf" in peers:
         common.hf_spec(args.model, args.hf_threads)
     vllm_python = common.check_vllm_python(args) if "vllm" in peers else None
+    llamacpp_python = check_llamacpp(args, batch_sizes) if "llamacpp" in peers else None
     progress = common.show_progress(args)
     prompt_room = max(input_lens + [512] * any(kind != "random" for kind in prompt_kinds))
     options = common.engine_options(args, max_total_len=prompt_room + max(output_lens),
@@ -350,13 +425,16 @@ def main(argv=None) -> int:
                                       args.repetitions, rng, args.warmup_repetitions, kind)
         rows.extend({"engine": name, "prompt_kind": kind, "batch_size": b, "input_len": summary.pop("prompt_len"),
                      "output_len": o, **summary} for name, summary in summaries.items())
+    ceilings = None
+    if not args.no_roofline:
+        rows, ceilings = with_roofline(rows, llms, progress)
     name, (llm, startup_s) = next(iter(llms.items()))
     startup = dict(common.startup_summary(llm), total_s=startup_s)
     vocab, low = common.tokenizer_vocab(llm.get_tokenizer())
     engine_options = {name: llm.engine.config.__dict__ for name, (llm, _) in llms.items()}
     del llm, llms
 
-    hf_info = vllm_info = None
+    hf_info = vllm_info = llamacpp_info = None
     if "hf" in peers:
         hf_rows, hf_info = hf_baseline(args.model, combos, args.repetitions, args.warmup_repetitions, args.seed,
                                        vocab, low, progress, args.hf_threads)
@@ -364,6 +442,9 @@ def main(argv=None) -> int:
     if "vllm" in peers:
         vllm_rows, vllm_info = vllm_peer(vllm_python, args, options, combos, vocab, low, progress)
         rows.extend(vllm_rows)
+    if "llamacpp" in peers:
+        llamacpp_rows, llamacpp_info = llamacpp_peer(llamacpp_python, args, combos, vocab, low, progress)
+        rows.extend(llamacpp_rows)
 
     config = {"model": args.model, "batch_sizes": batch_sizes, "input_lens": input_lens, "output_lens": output_lens,
               "repetitions": args.repetitions, "warmup_repetitions": args.warmup_repetitions, "seed": args.seed,
@@ -374,8 +455,11 @@ def main(argv=None) -> int:
               "method": {"jaxrunner": "engine.add_request × batch, then engine.step() with a timestamp per output; "
                                       "percentiles over all requests of all repetitions",
                          "hf": "one static generate per batch; percentiles over repetitions",
-                         "vllm": "LLM.generate per batch, max_tokens=1 then n; percentiles over repetitions"}}
-    payload = {"config": config, "startup": startup, "transformers": hf_info, "vllm": vllm_info, "results": rows}
+                         "vllm": "LLM.generate per batch, max_tokens=1 then n; percentiles over repetitions",
+                         "llamacpp": "one streamed create_completion per prompt (batch 1); percentiles over "
+                                     "repetitions"}}
+    payload = {"config": config, "startup": startup, "ceilings": ceilings,
+               "transformers": hf_info, "vllm": vllm_info, "llamacpp": llamacpp_info, "results": rows}
     title = f"latency: {args.model}, {args.repetitions} repetitions"
     # a with/without-speculation comparison is its own kind of result, beside the plain latency one;
     # a float/quantized comparison is named after the format, like a quantized run

@@ -97,3 +97,19 @@ def test_history_labels_per_row_workloads_too():
            "results": [{"engine": "jaxrunner", "batch_size": 1, "input_len": 8, "output_len": 8,
                         "tpot_s": {"p50": 0.01}}]}
     assert bench_history.headline_rows(doc)[0]["workload"] == "model=random-llama-1b batch_size=1 input_len=8 output_len=8"
+
+
+def test_roofline_sets_a_latency_row_against_the_ceilings():
+    """Decode GB/s: the weights plus each sequence's mean K/V context, per TPOT; prefill GFLOP/s:
+    the layers' products over the prompt, the LM head once and causal attention, per TTFT."""
+    import roofline
+
+    traffic = dict(weight_bytes=1_000_000_000, kv_bytes_per_context_token=1000, layer_matmul_params=10**8,
+                   lm_head_params=10**7, num_layers=2, num_heads=4, head_dim=8)
+    row = {"batch_size": 2, "input_len": 100, "output_len": 50, "ttft_s": {"p50": 0.5}, "tpot_s": {"p50": 0.1}}
+    out = roofline.annotate(row, traffic, {"copy_gbps": 20.0, "matmul_gflops": 100.0})
+    assert out["decode_gbps"] == pytest.approx((1e9 + 2 * 125 * 1000) / 0.1 / 1e9)
+    assert out["decode_frac_of_copy"] == pytest.approx(out["decode_gbps"] / 20)
+    flops = 2 * (2 * 1e8 * 100 + 2 * 1e7 + 4 * 2 * 4 * 8 * 100 * 101 / 2)
+    assert out["prefill_gflops"] == pytest.approx(flops / 0.5 / 1e9)
+    assert out["prefill_frac_of_matmul"] == pytest.approx(out["prefill_gflops"] / 100)

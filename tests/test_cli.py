@@ -119,6 +119,11 @@ def test_info():
     (["bench", "latency", "--compare", "vllm", "--vllm-python", sys.executable],
      f"benchmark_latency: error: --vllm-python {sys.executable!r}: cannot import vllm"),
     (["bench", "startup", "--compare", "vllm"], "benchmark_startup: error: --compare vllm needs --vllm-python"),
+    (["bench", "latency", "--compare", "llamacpp", "--batch-sizes", "1,4"],
+     "benchmark_latency: error: --compare llamacpp: --batch-sizes 1,4: llama-cpp-python serves one sequence"),
+    (["bench", "latency", "--compare", "llamacpp", "--batch-sizes", "1"],
+     "benchmark_latency: error: --compare llamacpp needs --llamacpp-python"),
+    (["bench", "latency", "--compare", "tgi"], "benchmark_latency: error: --compare tgi: unknown ['tgi']"),
     (["bench", "latency", "--speculative-method", "draft_model", "--prompt-lookup-max", "3"],
      "benchmark_latency: error: --prompt-lookup-max: no --speculative-method given uses it"),
 ], ids=lambda v: v[0] + "-" + v[1] if isinstance(v, list) else None)
