@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{', '.join(PEERS)} (or none)")
     parser.add_argument("--llamacpp-python", default=None,
                         help="for --compare llamacpp: the python of an environment with llama-cpp-python")
+    parser.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                        help="for --compare llamacpp: load without llama.cpp's repacked/AMX weight layouts "
+                             "(its --no-repack), where that path fails on the machine")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip measuring the copy bandwidth and matmul rate the rows are set against")
     spec = parser.add_argument_group("speculative decoding")
@@ -229,7 +232,7 @@ def llamacpp_peer(python: str, args, combos: list[tuple[int, int, int]], vocab: 
                 "prompts": common.random_prompts(rng, [i] * count, vocab, low)} for b, i, o in combos]
     spec = {"gguf": resolve_model(args.model).path, "threads": os.cpu_count(),
             "n_ctx": max(i + o for _, i, o in combos) + 8, "warmup_repetitions": args.warmup_repetitions,
-            "batches": batches}
+            "extra_bufts": not args.llamacpp_no_extra_bufts, "batches": batches}
     out = common.run_llamacpp_peer(python, spec, progress)
     rows = [{"engine": "llama.cpp", "batch_size": r["batch_size"], "input_len": r["input_len"],
              "output_len": r["output_len"], **_summary(r["ttft"], r["tpot"], r["e2e"])} for r in out["result"]]

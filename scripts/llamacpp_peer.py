@@ -9,7 +9,9 @@ It reads a JSON spec (the GGUF file, threads, context, the batches of token prom
 JSON result. Each prompt is one streamed ``create_completion``: TTFT from the call to the first
 token, TPOT from the first to the last over the tokens between, greedy, EOS banned through
 ``logit_bias`` (as ``ignore_eos`` does for the other engines). llama-cpp-python serves one
-sequence at a time, so only batch 1 is measured.
+sequence at a time, so only batch 1 is measured. ``extra_bufts`` false loads the weights without
+llama.cpp's extra buffer types (its repacked and AMX layouts; ``--no-repack`` in its CLI), for a
+build whose AMX path fails on the machine.
 """
 from __future__ import annotations
 
@@ -37,6 +39,15 @@ def main(spec_path: str) -> int:
 
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
+    if not spec["extra_bufts"]:  # llama-cpp-python has no argument for it: set it in the model's defaults
+        defaults = llama_cpp.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = without_extra_bufts
     llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"],
                           n_threads_batch=spec["threads"], n_batch=spec["n_ctx"], verbose=False)
     eos = llm.token_eos()
@@ -50,6 +61,7 @@ def main(spec_path: str) -> int:
         rows.append(dict(batch, prompts=None, ttft=[t for t, _, _ in measured], tpot=[p for _, p, _ in measured],
                          e2e=[t + p * (n - 1) for t, p, n in measured], tokens=[n for _, _, n in measured]))
     info = dict(llama_cpp=llama_cpp.__version__, python=platform.python_version(), threads=spec["threads"],
+                extra_bufts=spec["extra_bufts"],
                 system_info=llama_cpp.llama_print_system_info().decode(errors="replace"))
     with open(spec["result"], "w", encoding="utf-8") as f:
         json.dump({"info": info, "result": rows}, f)
