@@ -7,7 +7,7 @@
 // four rows, and padded to four rows it still read weights at ~9 GB/s: a bf16 token cost as much
 // as a float32 one, which reads twice the bytes. Its float32 GEMV reads ~34 GB/s on the largest
 // projection but less on the narrow ones (16-26 GB/s), ~19 GB/s over a whole float32 token. Here
-// each weight is read once, in contiguous blocks, on all threads, with software prefetch into L2.
+// each weight is read once, in contiguous blocks, on two or more threads, with software prefetch into L2.
 // Measured (2-core EPYC, 30 distinct weights per run, min of 20): bf16 one row x [576, 3072]
 // 398 -> 220 us per call, tied LM head [1, 576] x [49152, 576]^T 4.1 -> 2.7 ms (2.2-2.5 ms once
 // its rows were prefetched into L2: four 57 MB tables, 3.3-5.1 ms before); float32 [576, 576]
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "helper_thread.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -49,7 +50,14 @@ struct Problem {
   const void* w;        // [k, n] or [n, k], WT: uint16_t (bf16 bits) or float
   float* y;             // [rows, n]; [splits, rows, n] partial sums for [K, N] weights
   int64_t splits;       // [K, N] weights: work items, each a block of K rows
+  bool transposed;      // W is [N, K]
 };
+
+// A product under a few megabytes shares its items with the one HelperThread, which the next
+// product of a decode step finds awake: waking one of XLA's pool threads for each such product
+// took about as long as the product (a bf16 one-row [576, 3072] product in a SmolLM2 step ran at
+// 2-4x its time alone). A larger one, such as a tied LM head, spreads over XLA's threads.
+constexpr int64_t kPooledBytes = int64_t(8) << 20;  // weight bytes from which XLA's threads join
 
 // ---- W [K, N]: item s owns rows [k0, k1) of W -- one contiguous block of memory, which the
 // hardware prefetcher streams -- and writes its partial sums to y[s] (the caller adds the
@@ -152,21 +160,26 @@ void ItemNK(const Problem& p, int64_t item) {
 struct NoScratch {};
 
 template <int M, typename WT>
-void Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
-  const int64_t items = transposed ? (p.n + kRowsPerItem - 1) / kRowsPerItem : p.splits;
-  jaxrunner_cpu::RunItems<NoScratch>(pool, items, [p, transposed](int64_t i, NoScratch&) {
-    if (transposed) ItemNK<M, WT>(p, i);
-    else ItemKN<M, WT>(p, i);
-  });
+void Item(const void* problem, int64_t item) {
+  const Problem& p = *static_cast<const Problem*>(problem);
+  if (p.transposed) ItemNK<M, WT>(p, item);
+  else ItemKN<M, WT>(p, item);
+}
+
+template <int M, typename WT>
+void Run(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t items = p.transposed ? (p.n + kRowsPerItem - 1) / kRowsPerItem : p.splits;
+  if (p.k * p.n * int64_t(sizeof(WT)) < kPooledBytes) return HelperThread::Run(Item<M, WT>, &p, items);
+  RunItems<NoScratch>(pool, items, [p](int64_t i, NoScratch&) { Item<M, WT>(&p, i); });
 }
 
 template <typename WT>
-void RunRows(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
+void RunRows(ffi::ThreadPool& pool, const Problem& p) {
   switch (p.rows) {
-    case 1: Run<1, WT>(pool, p, transposed); break;
-    case 2: Run<2, WT>(pool, p, transposed); break;
-    case 3: Run<3, WT>(pool, p, transposed); break;
-    default: Run<4, WT>(pool, p, transposed); break;
+    case 1: Run<1, WT>(pool, p); break;
+    case 2: Run<2, WT>(pool, p); break;
+    case 3: Run<3, WT>(pool, p); break;
+    default: Run<4, WT>(pool, p); break;
   }
 }
 
@@ -198,9 +211,10 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     for (int64_t i = 0; i < rows * k; ++i) x32[i] = ToF32(x16[i]);
     xf = x32.data();
   }
-  const Problem p{rows, k, n, xf, x.untyped_data(), w.untyped_data(), static_cast<float*>(y->untyped_data()), splits};
-  if (bf16) RunRows<uint16_t>(pool, p, transposed);
-  else RunRows<float>(pool, p, transposed);
+  const Problem p{rows, k, n, xf, x.untyped_data(), w.untyped_data(), static_cast<float*>(y->untyped_data()), splits,
+                  transposed != 0};
+  if (bf16) RunRows<uint16_t>(pool, p);
+  else RunRows<float>(pool, p);
   return ffi::Error::Success();
 }
 
