@@ -53,11 +53,14 @@ struct Problem {
   bool transposed;      // W is [N, K]
 };
 
-// A product under a few megabytes shares its items with the one HelperThread, which the next
-// product of a decode step finds awake: waking one of XLA's pool threads for each such product
-// took about as long as the product (a bf16 one-row [576, 3072] product in a SmolLM2 step ran at
-// 2-4x its time alone). A larger one, such as a tied LM head, spreads over XLA's threads.
-constexpr int64_t kPooledBytes = int64_t(8) << 20;  // weight bytes from which XLA's threads join
+// A product shares its items with the one HelperThread, which the next product of a decode step
+// finds awake: waking one of XLA's pool threads for each product took about as long as a small
+// product (a bf16 one-row [576, 3072] product in a SmolLM2 step ran at 2-4x its time alone), and
+// on two cores the pool adds no core the helper does not (the tied LM head, 56-113 MB, also ran
+// faster on the helper there). Only a product of several megabytes on a pool of more threads
+// spreads over XLA's threads, where they add cores to stream the weights with.
+constexpr int64_t kPooledBytes = int64_t(8) << 20;  // weight bytes from which a larger pool joins
+constexpr int64_t kHelperThreads = 2;               // the caller and the helper
 
 // ---- W [K, N]: item s owns rows [k0, k1) of W -- one contiguous block of memory, which the
 // hardware prefetcher streams -- and writes its partial sums to y[s] (the caller adds the
@@ -169,7 +172,8 @@ void Item(const void* problem, int64_t item) {
 template <int M, typename WT>
 void Run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t items = p.transposed ? (p.n + kRowsPerItem - 1) / kRowsPerItem : p.splits;
-  if (p.k * p.n * int64_t(sizeof(WT)) < kPooledBytes) return HelperThread::Run(Item<M, WT>, &p, items);
+  if (p.k * p.n * int64_t(sizeof(WT)) < kPooledBytes || pool.num_threads() <= kHelperThreads)
+    return HelperThread::Run(Item<M, WT>, &p, items);
   RunItems<NoScratch>(pool, items, [p](int64_t i, NoScratch&) { Item<M, WT>(&p, i); });
 }
 
