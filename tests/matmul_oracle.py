@@ -1,4 +1,5 @@
-"""The float64 oracle the CPU matmul kernels (native few-row, oneDNN) are checked against.
+"""The float64 oracle the CPU matmul kernels (native few-row, oneDNN) are checked against, and what
+their tests share: random operands and a count of a kernel's calls in a lowered function.
 
 Products of two bf16 values are exact in float32 and the kernels sum in float32, so the only
 error is float32 summation (and one rounding per product for float32 operands): the bound is a
@@ -6,8 +7,19 @@ few float32 ulps of the sum of |products|, far below one bf16 ulp of the result.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def normal(rng, shape, scale=1.0, dtype=jnp.bfloat16):
+    """Standard normal values times ``scale``, rounded to ``dtype``."""
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def custom_calls(target: str, fn, *args) -> int:
+    """How many calls of the FFI ``target`` the jitted ``fn(*args)`` lowers to."""
+    return jax.jit(fn).lower(*args).as_text().count(target)
 
 
 def assert_matches_float64(got, x, w, transposed: bool) -> None:

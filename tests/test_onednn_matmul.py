@@ -14,7 +14,7 @@ from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.kernels import onednn
 from jaxrunner.models import linear
-from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output
+from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output, custom_calls, normal
 
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 needs_onednn = pytest.mark.skipif(onednn.unavailable_reason() is not None and not X86_LINUX,
@@ -28,9 +28,6 @@ def test_onednn_is_installed_and_builds_on_x86_64_linux():
         pytest.skip("oneDNN is a default dependency on x86-64 Linux only")
     assert onednn.unavailable_reason() is None
 
-
-def _normal(rng, shape, scale=1.0, dtype=jnp.bfloat16):
-    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
 
 def _check(x, w, transposed):
@@ -46,7 +43,7 @@ def _check(x, w, transposed):
 def test_matches_a_float64_oracle(rows, k, n, transposed, dtype):
     rng = np.random.default_rng(rows * 1000 + k + n)
     w_shape = (n, k) if transposed else (k, n)
-    _check(_normal(rng, (rows, k), dtype=dtype), _normal(rng, w_shape, 0.05, dtype), transposed)
+    _check(normal(rng, (rows, k), dtype=dtype), normal(rng, w_shape, 0.05, dtype), transposed)
 
 
 @needs_onednn
@@ -70,7 +67,7 @@ def test_unsupported_inputs_say_why(x_shape, w_shape, transposed, dtype, w_dtype
 
 
 def _onednn_calls(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).as_text().count(onednn.TARGET_NAME)
+    return custom_calls(onednn.TARGET_NAME, fn, *args)
 
 
 @needs_onednn
@@ -83,8 +80,8 @@ def test_model_routes_the_chosen_dtypes_and_rows_only():
     bf16_16 = kernels.MatmulKernels(onednn_dtypes=("bfloat16",), onednn_min_rows=16)
     matmul = functools.partial(linear.matmul_f32_acc, matmuls=bf16_16)
     rng = np.random.default_rng(1)
-    w, embed = _normal(rng, (64, 96)), _normal(rng, (256, 64))
-    many, few = _normal(rng, (16, 64)), _normal(rng, (15, 64))
+    w, embed = normal(rng, (64, 96)), normal(rng, (256, 64))
+    many, few = normal(rng, (16, 64)), normal(rng, (15, 64))
     assert _onednn_calls(matmul, many, w) == 1
     assert _onednn_calls(lambda x, e: matmul(x, e, contract=(-1, 1)), many, embed) == 1
     assert _onednn_calls(matmul, few, w) == 0

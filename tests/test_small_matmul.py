@@ -12,14 +12,10 @@ import pytest
 from jaxrunner import kernels
 from jaxrunner.kernels import native
 from jaxrunner.models import linear as quant_linear
-from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output
+from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output, custom_calls, normal
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
-
-def _normal(rng, shape, scale=1.0, dtype=jnp.bfloat16):
-    """Standard normal values times ``scale``, rounded to ``dtype``."""
-    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
 
 def _check(x, w, transposed):
@@ -36,7 +32,7 @@ DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_weights_k_by_n(rows, k, n, dtype):
     """[K, N] weights, including K below the split count and K not a multiple of four."""
     rng = np.random.default_rng(rows * 1000 + k + n)
-    _check(_normal(rng, (rows, k), dtype=dtype), _normal(rng, (k, n), 0.05, dtype), transposed=False)
+    _check(normal(rng, (rows, k), dtype=dtype), normal(rng, (k, n), 0.05, dtype), transposed=False)
 
 
 @DTYPES
@@ -45,7 +41,7 @@ def test_weights_k_by_n(rows, k, n, dtype):
 def test_weights_n_by_k(rows, n, k, dtype):
     """[N, K] weights (the tied embedding as LM head), including N not a multiple of four."""
     rng = np.random.default_rng(rows * 1000 + k + n)
-    _check(_normal(rng, (rows, k), dtype=dtype), _normal(rng, (n, k), 0.05, dtype), transposed=True)
+    _check(normal(rng, (rows, k), dtype=dtype), normal(rng, (n, k), 0.05, dtype), transposed=True)
 
 
 def test_each_output_sees_only_its_own_weights():
@@ -69,7 +65,7 @@ def test_unsupported_inputs_say_why(x_shape, w_shape, transposed, dtype, w_dtype
 
 
 def _native_calls(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).as_text().count(native.MATMUL_TARGET_NAME)
+    return custom_calls(native.MATMUL_TARGET_NAME, fn, *args)
 
 
 def test_model_routes_one_row_products_only():
@@ -81,8 +77,8 @@ def test_model_routes_one_row_products_only():
     matmul = functools.partial(quant_linear.matmul_f32_acc, matmuls=here)
     linear_f32 = functools.partial(quant_linear.linear_f32, matmuls=here)
     rng = np.random.default_rng(1)
-    w, embed = _normal(rng, (64, 96)), _normal(rng, (256, 64))
-    one, four = _normal(rng, (1, 64)), _normal(rng, (4, 64))
+    w, embed = normal(rng, (64, 96)), normal(rng, (256, 64))
+    one, four = normal(rng, (1, 64)), normal(rng, (4, 64))
     assert _native_calls(matmul, one, w) == 1
     assert _native_calls(lambda x, e: matmul(x, e, contract=(-1, 1)), one, embed) == 1
     assert _native_calls(matmul, four, w) == 0

@@ -351,7 +351,7 @@ class LLMEngine:
         plan = replica.scheduler.schedule()
         if plan.is_empty:
             return None
-        step = build_step_input(plan, replica.executor.eos_token_ids, self.grammars, feed_rows)
+        step = build_step_input(plan, replica.executor.eos_token_ids, self.grammars, feed_rows, replica.executor.drafts)
         return _PendingStep(replica, plan, replica.executor.execute(step))
 
     def _async_enabled(self) -> bool:

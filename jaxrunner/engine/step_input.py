@@ -22,13 +22,15 @@ from jaxrunner.executor_protocol import NO_FEED, NO_LOGPROBS, NO_TOKEN, Sampling
 
 
 def build_step_input(plan: StepPlan, eos_token_ids, grammars: GrammarCompiler | None = None,
-                     feed_rows: dict[str, int] | None = None) -> StepInput:
+                     feed_rows: dict[str, int] | None = None, drafts: bool = False) -> StepInput:
     """The plan's chunks, back to back. ``grammars`` fills the token bitmasks of constrained
-    requests (their matchers have seen every past token: such requests keep steps synchronous)."""
-    return StepInput(tuple(_sequence_input(chunk, eos_token_ids, grammars, feed_rows) for chunk in plan.chunks))
+    requests (their matchers have seen every past token: such requests keep steps synchronous).
+    ``drafts``: the executor guesses after the step (a draft model), so a chunk asking for guesses
+    carries the history to guess from; n-gram guesses are made on this side and need none."""
+    return StepInput(tuple(_sequence_input(chunk, eos_token_ids, grammars, feed_rows, drafts) for chunk in plan.chunks))
 
 
-def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows) -> SequenceInput:
+def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows, drafts: bool) -> SequenceInput:
     request = chunk.request
     token_ids, fed = _tokens(chunk, feed_rows)
     next_mask, draft_masks = _bitmasks(chunk, grammars)
@@ -37,7 +39,7 @@ def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows) -
                          pages=np.asarray(request.page_ids, np.int32), prompt_targets=_prompt_targets(chunk),
                          sampling=sampling, num_drafts=len(chunk.draft_token_ids), draft_bitmasks=draft_masks,
                          request_id=request.request_id, propose=chunk.propose,
-                         history=np.asarray(request.all_token_ids, np.int32) if chunk.propose else None)
+                         history=np.asarray(request.all_token_ids, np.int32) if drafts and chunk.propose else None)
 
 
 def _tokens(chunk: ScheduledChunk, feed_rows) -> tuple[np.ndarray, np.ndarray]:
