@@ -1,11 +1,12 @@
 """jaxrunner: a JAX/XLA LLM inference runtime (paged KV cache, Pallas ragged paged attention,
 continuous batching, warm-up on random dummy batches)."""
 from jaxrunner.config import EngineConfig
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.outputs import CompletionOutput, RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "create_engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "create_engine", "EngineConfig", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):  # LLM and LLMEngine pull in JAX and transformers: import them on first use

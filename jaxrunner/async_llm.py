@@ -35,16 +35,17 @@ class AsyncLLM:
         return self.llm.engine
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> "RequestStream":
+                    request_id: str | None = None, lora_request=None) -> "RequestStream":
         """Validate and queue one request now (``ValueError`` here, before anything is queued); its
-        outputs are read from the returned stream, on the running event loop."""
-        request = self.engine_loop.validate(prompt, sampling_params)
+        outputs are read from the returned stream, on the running event loop. ``lora_request``: the
+        adapter it runs with (``LoRARequest``; the engine needs ``enable_lora``)."""
+        request = self.engine_loop.validate(prompt, sampling_params, lora_request)
         return RequestStream(self.engine_loop, request, request_id)
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they are produced (each holds the text so far and ``delta_text``)."""
-        stream = self.add_request(prompt, sampling_params, request_id)
+        stream = self.add_request(prompt, sampling_params, request_id, lora_request)
         async with stream:
             async for output in stream:
                 yield output

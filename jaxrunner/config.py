@@ -61,6 +61,12 @@ class EngineConfig:
     prompt_lookup_min: int | None = None
     speculative_model: str | None = None        # draft_model: an alias, a .gguf file or a model directory
     speculative_quantization: str | None = None  # the draft's weights: None | "int8" | "int4" | "w8a8"
+    # LoRA adapters, as vLLM's: max_loras adapters on the device at once (one batch mixes them),
+    # ranks up to max_lora_rank; max_cpu_loras adapters kept in host memory (default max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -77,7 +83,10 @@ class EngineConfig:
         for name, low in (("num_pages", 2), ("max_num_prefill_seqs", 1), ("max_model_len", 1),
                           ("kv_cache_memory_bytes", 1)):
             setattr(self, name, _check_int(name, getattr(self, name), low, optional=True))
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "progress"):
+        for name in ("max_loras", "max_lora_rank"):
+            setattr(self, name, _check_int(name, getattr(self, name), 1))
+        self.max_cpu_loras = _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, optional=True)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "progress", "enable_lora"):
             _check_bool(name, getattr(self, name))
         _check_fraction("memory_utilization", self.memory_utilization)
         if self.compilation_cache_dir is not None:

@@ -81,6 +81,7 @@ class SequenceInput:
     request_id: str = ""   # whose it is (named in the runner's errors; the draft model keys its cache by it)
     propose: int = 0       # a runner that drafts guesses up to this many tokens to follow this step's (see Executor)
     history: np.ndarray | None = None  # [n] int32: the request's tokens before this step's, when propose > 0
+    lora_slot: int = 0     # the adapter slot its rows run with (Executor.load_lora_slot); 0: no adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,7 @@ class Executor(Protocol):
     limits: SamplingLimits
     synchronous: bool                # several processes drive one mesh: steps must not overlap
     startup_report: dict
+    max_loras: int                   # adapter slots on the device (0: LoRA disabled)
 
     def execute(self, step: StepInput) -> StepHandle:
         """Lay out ``step`` and dispatch it without waiting."""
@@ -195,3 +197,12 @@ class Executor(Protocol):
 
     def update_weights(self, params: Any) -> None:
         """Serve ``params`` from the next step on (checked first with ``check_weights``)."""
+
+    def load_adapter(self, name: str, source: Any) -> Any:
+        """A LoRA adapter read and checked against the model, laid out for a slot (opaque to the
+        engine): ``source`` a PEFT directory, or ``(tensors, rank, alpha, use_rslora)`` in memory.
+        ``ValueError`` naming what does not fit."""
+
+    def load_lora_slot(self, slot: int, adapter: Any) -> None:
+        """Put ``adapter`` (from ``load_adapter``) into ``slot`` (1..max_loras) for the steps
+        dispatched from now on."""

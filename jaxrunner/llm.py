@@ -8,6 +8,7 @@ import queue
 import threading
 from typing import Iterator, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrunner.config import DEFAULT_MODEL, EngineConfig
@@ -17,6 +18,7 @@ from jaxrunner.engine_factory import create_engine
 from jaxrunner.models.flax_nnx import check_protocol
 from jaxrunner.models.loading.gguf import load_gguf_tokenizer
 from jaxrunner.models.loading.hf import load_hf_tokenizer, sampling_defaults
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.parallel import mesh as meshes
 from jaxrunner.runner import weights
@@ -131,8 +133,11 @@ class LLM:
             return self._engine_loop
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Serve every prompt to completion; outputs come back in the order of ``prompts``.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base
+        model), as vLLM's; one batch mixes them (``enable_lora``).
 
         Thread-safe: calls from several threads (and ``chat``/``stream``) are batched together by the
         engine loop, each getting its own outputs. Every prompt and SamplingParams of the call is
@@ -141,11 +146,12 @@ class LLM:
         ``RuntimeError``, and while this call runs, direct engine calls from other threads raise."""
         prompts = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        adapters = _adapters_per_prompt(lora_request, len(prompts))
         loop = self.engine_loop
         groups = []  # per prompt: the validated requests of its n samples
-        for index, (prompt, sp) in enumerate(zip(prompts, params)):
+        for index, (prompt, sp, adapter) in enumerate(zip(prompts, params, adapters)):
             samples = [sp] if sp.n == 1 else [_sample_params(sp, i) for i in range(sp.n)]
-            groups.append([_validate_at(loop, index, prompt, child) for child in samples])
+            groups.append([_validate_at(loop, index, prompt, child, adapter) for child in samples])
         outputs = _Collector()
         ids = [[loop.new_request_id() for _ in group] for group in groups]
         share_prompt = self.engine.config.enable_prefix_caching
@@ -195,6 +201,31 @@ class LLM:
         except Exception as err:  # a template that raises or does not parse: the caller's template or input
             raise ValueError(f"chat_template: rendering failed: {type(err).__name__}: {err}") from None
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    # ------------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest, tensors=None, *, rank: int | None = None,
+                 alpha: float | None = None, use_rslora: bool = False) -> None:
+        """Load a LoRA adapter before requests name it: from ``lora_request.lora_path`` (a PEFT
+        directory), or from ``tensors`` in memory, PEFT-named arrays (numpy or JAX:
+        ``...layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]) of
+        ``rank`` scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``)."""
+        self.engine.add_lora(lora_request, None if tensors is None else _adapter_source(tensors, rank, alpha,
+                                                                                         use_rslora))
+
+    def update_lora(self, name: str, tensors, *, rank: int | None = None, alpha: float | None = None,
+                    use_rslora: bool = False) -> None:
+        """New weights for adapter ``name`` (``tensors`` as in ``add_lora``, or a PEFT directory),
+        served from the next step on; nothing compiles. Between steps, on the engine loop's thread."""
+        source = tensors if isinstance(tensors, (str, os.PathLike)) else _adapter_source(tensors, rank, alpha,
+                                                                                          use_rslora)
+        self.engine_loop.run_on_engine(lambda engine: engine.update_lora(name, source))
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter that no unfinished request uses (False: none of that name)."""
+        return self.engine_loop.run_on_engine(lambda engine: engine.remove_lora(name))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text as it is generated for one prompt.
@@ -307,6 +338,18 @@ def _stream(loop: EngineLoop, request) -> Iterator[str]:
             loop.abort(request_id)
 
 
+def _adapters_per_prompt(lora_request, count: int) -> list:
+    """``lora_request`` for each of ``count`` prompts: one for all, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError(f"lora_request: expected a LoRARequest, a list of them (one per prompt) or None, "
+                         f"got {type(lora_request).__name__}")
+    if len(lora_request) != count:
+        raise ValueError(f"lora_request: {len(lora_request)} given for {count} prompts")
+    return list(lora_request)
+
+
 def _prompt_list(prompts) -> list:
     """``prompts`` as a list: one prompt (string or dict) or a list/tuple of them."""
     if isinstance(prompts, (str, dict)):
@@ -319,10 +362,10 @@ def _prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def _validate_at(loop: EngineLoop, index: int, prompt, params: SamplingParams):
+def _validate_at(loop: EngineLoop, index: int, prompt, params: SamplingParams, lora_request=None):
     """The engine's checks for prompt ``index``; the error says which prompt of the call was bad."""
     try:
-        return loop.validate(prompt, params)
+        return loop.validate(prompt, params, lora_request)
     except ValueError as err:
         raise ValueError(f"prompts[{index}]: {err}") from None
 
@@ -419,6 +462,18 @@ def speculative_config_options(config, options: dict) -> dict:
     if both:
         raise ValueError(f"LLM: {both[0]!r} given both directly and in speculative_config")
     return mapped
+
+
+def _adapter_source(tensors, rank, alpha, use_rslora: bool) -> tuple:
+    """In-memory adapter tensors as the executor takes them: (host arrays, rank, alpha, rsLoRA)."""
+    if not isinstance(tensors, dict):
+        raise ValueError(f"tensors: expected a dict of PEFT-named arrays, got {type(tensors).__name__}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank: invalid value {rank!r}; valid: the adapter's rank, an integer >= 1")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"alpha: invalid value {alpha!r}; valid: the adapter's lora_alpha, a number")
+    return {str(name): np.asarray(value, np.float32) for name, value in tensors.items()}, rank, float(alpha), \
+        bool(use_rslora)
 
 
 def _load_tokenizer(path: str):

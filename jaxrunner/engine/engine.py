@@ -34,6 +34,7 @@ import threading
 from typing import Sequence
 
 from jaxrunner.config import EngineConfig
+from jaxrunner.engine.adapters import AdapterRegistry, AdapterSlots
 from jaxrunner.engine.output_processor import OutputProcessor
 from jaxrunner.engine.page_allocator import PageAllocator
 from jaxrunner.engine.request import Request, check_request_id_free
@@ -42,6 +43,7 @@ from jaxrunner.engine.spec_decode import NgramProposer
 from jaxrunner.engine.step_input import build_step_input
 from jaxrunner.engine.structured_output import GrammarCompiler
 from jaxrunner.executor_protocol import NO_TOKEN, Executor, SampledRows, StepHandle
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.sampling_params import SamplingParams
 
@@ -57,6 +59,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     grammar: str | None = None
+    lora_name: str | None = None  # the adapter it runs with (loaded by validation), None: the base model
 
 
 def _token_id_list(token_ids) -> list[int]:
@@ -96,6 +99,7 @@ class _Replica:
     executor: Executor
     scheduler: Scheduler
     in_flight: "_PendingStep | None" = None  # async scheduling: dispatched, not yet waited for
+    adapter_slots: AdapterSlots | None = None  # LoRA: what the executor's device slots hold
 
 
 @dataclasses.dataclass
@@ -116,11 +120,15 @@ class LLMEngine:
         if not executors:
             raise ValueError("executors: an engine needs at least one")
         self.config = config
-        self.replicas = [_Replica(executor, self._scheduler_for(config, executor)) for executor in executors]
+        self.replicas = [_Replica(executor, self._scheduler_for(config, executor),
+                                  adapter_slots=AdapterSlots(executor.max_loras, executor.load_lora_slot)
+                                  if executor.max_loras else None) for executor in executors]
         # speculative decoding by n-gram lookup runs here, after each step; a draft model runs in the executor
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) \
             if config.speculative_method == "ngram" else None
         self.executor = executors[0]  # replicas serve the same model with the same limits
+        self.adapters = AdapterRegistry(config.max_cpu_loras or config.max_loras, self.executor.load_adapter) \
+            if self.executor.max_loras else None
         self.max_model_len = min(executor.max_model_len for executor in executors)
         self.output_processor = OutputProcessor(self.executor.tokenizer, self.executor.eos_token_ids)
         self.grammars = GrammarCompiler(self.executor.tokenizer, self.executor.vocab_size, self.executor.eos_token_ids)
@@ -142,7 +150,7 @@ class LLMEngine:
                             num_pages=executor.num_pages, enable_prefix_caching=config.enable_prefix_caching,
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             max_num_prefill_seqs=config.max_num_prefill_seqs,
-                            max_num_spec_seqs=executor.max_num_spec_seqs),
+                            max_num_spec_seqs=executor.max_num_spec_seqs, max_loras=executor.max_loras),
             PageAllocator(executor.num_pages, executor.page_size, config.enable_prefix_caching),
             speculative=speculative)
 
@@ -183,11 +191,14 @@ class LLMEngine:
         return report
 
     # ------------------------------------------------------------------ requests in
-    def validate_request(self, prompt, sampling_params: SamplingParams | None = None) -> ValidRequest:
-        """Check and tokenize one request without touching the engine's state (safe from any thread).
+    def validate_request(self, prompt, sampling_params: SamplingParams | None = None,
+                         lora_request: LoRARequest | None = None) -> ValidRequest:
+        """Check and tokenize one request without touching the engine's state (safe from any thread);
+        a ``lora_request`` naming an adapter not yet known reads it (into host memory only).
 
         Every front end (``LLM``, ``AsyncLLM``, the HTTP server) validates all the requests of a call
         with this before it adds any, so a bad one leaves nothing behind."""
+        lora_name = self._resolve_adapter(lora_request)
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
         if params.n != 1:
@@ -199,7 +210,50 @@ class LLMEngine:
         # the scheduler's own test of a request that could never run (empty, too long, too big)
         self.scheduler.check_fits(len(token_ids), self._output_cap(params, len(token_ids)))
         constraint = params.structured_outputs
-        return ValidRequest(text, token_ids, params, None if constraint is None else self.grammars.grammar(constraint))
+        return ValidRequest(text, token_ids, params, None if constraint is None else self.grammars.grammar(constraint),
+                            lora_name)
+
+    # ------------------------------------------------------------------ adapters
+    def _resolve_adapter(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise ValueError(f"lora_request {name!r}: this engine serves no adapters; start it with enable_lora=True")
+        return self.adapters.resolve(lora_request, self._adapters_in_use).request.lora_name
+
+    def _adapters_in_use(self) -> set[str]:
+        return set().union(*(replica.scheduler.adapters_in_use() for replica in self.replicas))
+
+    def add_lora(self, lora_request: LoRARequest, source=None) -> None:
+        """Load an adapter before any request names it: from ``lora_request.lora_path``, or from
+        ``source`` (``(tensors, rank, alpha, use_rslora)`` in memory; see ``LLM.add_lora``)."""
+        if self.adapters is None:
+            raise ValueError("add_lora: this engine serves no adapters; start it with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if source is None and not lora_request.lora_path:
+            raise ValueError(f"add_lora {lora_request.lora_name!r}: give lora_path or the adapter's tensors")
+        self.adapters.add(lora_request, source if source is not None else lora_request.lora_path,
+                          self._adapters_in_use)
+
+    def update_lora(self, name: str, source) -> None:
+        """New weights for adapter ``name`` (a directory, or ``(tensors, rank, alpha, use_rslora)``),
+        served from the next step on, compiling nothing; requests in flight go on with them. New
+        requests never reuse prefixes cached with the old ones (the salt has the version)."""
+        if self.adapters is None:
+            raise ValueError("update_lora: this engine serves no adapters; start it with enable_lora=True")
+        self.adapters.update(name, source)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter no unfinished request uses; False when it is unknown."""
+        if self.adapters is None:
+            return False
+        return self.adapters.remove(name, self._adapters_in_use())
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters in host memory, least recently used first."""
+        return [] if self.adapters is None else [self.adapters.get(name).request for name in self.adapters.names()]
 
     def _truncated(self, text: str | None, token_ids: list[int], keep: int) -> tuple[str | None, list[int]]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: max_model_len);
@@ -288,14 +342,16 @@ class LLMEngine:
                 sequences.append(spaced)
         return sequences
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; a ``ValueError`` names what is wrong and leaves the engine untouched.
 
         ``prompt`` may be a ``ValidRequest`` from ``validate_request`` (its ``sampling_params`` win).
         While an engine loop (``LLM``/``AsyncLLM``) owns the engine, only the loop's thread may call
         ``add_request``/``step``/``abort_request``; others get a ``RuntimeError``."""
         self.check_caller()
-        valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params)
+        valid = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, sampling_params,
+                                                                                      lora_request)
         request_id = str(request_id)
         check_request_id_free(request_id, self._replica_of)  # over every replica
         params, token_ids = valid.sampling_params, valid.prompt_token_ids
@@ -304,7 +360,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & (2**64 - 1)
         request = Request(request_id, token_ids, params, arrival_index=arrival,
                           max_tokens=self._output_cap(params, len(token_ids)), seed=seed,
-                          bad_words_token_ids=self._bad_words_token_ids(params))
+                          bad_words_token_ids=self._bad_words_token_ids(params), lora_name=valid.lora_name,
+                          cache_salt=0 if valid.lora_name is None else self.adapters.get(valid.lora_name).cache_salt)
         if valid.grammar is not None:
             request.grammar = self.grammars.matcher(valid.grammar)
         replica = min(self.replicas, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
@@ -351,8 +408,17 @@ class LLMEngine:
         plan = replica.scheduler.schedule()
         if plan.is_empty:
             return None
-        step = build_step_input(plan, replica.executor.eos_token_ids, self.grammars, feed_rows, replica.executor.drafts)
+        slots = self._adapter_slots(replica, plan)
+        step = build_step_input(plan, replica.executor.eos_token_ids, self.grammars, feed_rows, replica.executor.drafts,
+                                slots)
         return _PendingStep(replica, plan, replica.executor.execute(step))
+
+    def _adapter_slots(self, replica: _Replica, plan) -> dict[str, int] | None:
+        """The device slot of each adapter the plan's requests run with, loaded now if need be."""
+        if replica.adapter_slots is None:
+            return None
+        names = {chunk.request.lora_name for chunk in plan.chunks if chunk.request.lora_name is not None}
+        return replica.adapter_slots.assign({name: self.adapters.get(name) for name in sorted(names)})
 
     def _async_enabled(self) -> bool:
         return self.config.async_scheduling and not self.executor.synchronous

@@ -84,9 +84,9 @@ class EngineLoop:
         self.stats = LoopStats()
 
     # ------------------------------------------------------------------ callers' side (any thread)
-    def validate(self, prompt, sampling_params=None):
+    def validate(self, prompt, sampling_params=None, lora_request=None):
         """The engine's checks and tokenization, on the caller's thread; raises ``ValueError``."""
-        return self.engine.validate_request(prompt, sampling_params)
+        return self.engine.validate_request(prompt, sampling_params, lora_request)
 
     def new_request_id(self) -> str:
         """An id no request of this loop has (for callers that need ids before they submit)."""

@@ -52,6 +52,12 @@ _ROOT_HASH = 0
 PageKey = tuple[int, tuple[int, ...]]
 
 
+def _root_hash(request: Request) -> int:
+    """The "previous page" hash of a request's first page: a LoRA adapter's requests chain from
+    their own (``Request.cache_salt``), so their pages never serve the base model or another adapter."""
+    return _ROOT_HASH if not request.cache_salt else hash((_ROOT_HASH, request.cache_salt))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -124,7 +130,7 @@ class PageAllocator:
         tokens = request.all_token_ids
         max_hit_pages = (len(tokens) - 1) // self.page_size
         hit_pages: list[int] = []
-        parent_hash = _ROOT_HASH
+        parent_hash = _root_hash(request)
         for i in range(max_hit_pages):
             key = self._key(parent_hash, tokens, i)
             page = self._page_by_key.get(key)
@@ -189,7 +195,7 @@ class PageAllocator:
             return
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full_pages):
-            key = self._key(hashes[-1] if hashes else _ROOT_HASH, tokens, i)
+            key = self._key(hashes[-1] if hashes else _root_hash(request), tokens, i)
             page = request.page_ids[i]
             if key not in self._page_by_key:
                 self._page_by_key[key] = page

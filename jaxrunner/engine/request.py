@@ -64,6 +64,10 @@ class Request:
     seed: int | None = None  # the sampler's 64-bit seed for this request, chosen by the engine
     # SamplingParams.bad_words as token sequences (the engine tokenizes them, as vLLM does).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # LoRA: the adapter it runs with (None: the base model), and what keys its prefix-cache pages apart
+    # from other adapters' and the base model's (0: the base model's pages).
+    lora_name: str | None = None
+    cache_salt: int = 0
     # Structured output (``engine.structured_output``): the llguidance matcher, fed every output
     # token; the step input asks it for the tokens allowed next (``engine.step_input``).
     grammar: Any = None

@@ -61,6 +61,8 @@ class SchedulerConfig:
     max_num_prefill_seqs: int | None = None
     # Most requests whose proposals are verified in one step (their rows are a fixed bucket width).
     max_num_spec_seqs: int = 0
+    # LoRA: most distinct adapters among the running requests (the device's slots); 0: no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -332,9 +334,10 @@ class Scheduler:
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
         page_size = self.config.page_size
-        while self.waiting and len(self.running) < self.config.max_num_seqs \
-                and step.token_budget > 0:
-            request = self.waiting[0]
+        while len(self.running) < self.config.max_num_seqs and step.token_budget > 0:
+            request = self._next_admissible()
+            if request is None:
+                break
             cached_pages = self.allocator.find_cached_prefix(request)
             num_cached = len(cached_pages) * page_size
             num_new = self._chunk_size(request.num_tokens - num_cached, step.token_budget)
@@ -343,7 +346,7 @@ class Scheduler:
                 pages = self.allocator.admit(request, cached_pages, num_cached + num_new)
             if pages is None:
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.page_ids = pages
             request.num_cached_tokens = request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -353,6 +356,19 @@ class Scheduler:
             step.add(request, num_new)
             self.prefix_cache_hit_tokens += num_cached
             self.prefix_cache_queried_tokens += request.num_tokens
+
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request whose adapter fits beside the running ones' (at most
+        ``max_loras`` distinct adapters run at once); those whose adapter does not wait, as vLLM's."""
+        running = {request.lora_name for request in self.running if request.lora_name is not None}
+        for request in self.waiting:
+            if request.lora_name is None or request.lora_name in running or len(running) < self.config.max_loras:
+                return request
+        return None
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of the unfinished requests (running or waiting)."""
+        return {request.lora_name for request in self._unfinished.values() if request.lora_name is not None}
 
     def _make_room(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Give ``request`` pages for ``num_new`` more tokens, preempting the newest running requests

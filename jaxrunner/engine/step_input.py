@@ -22,15 +22,19 @@ from jaxrunner.executor_protocol import NO_FEED, NO_LOGPROBS, NO_TOKEN, Sampling
 
 
 def build_step_input(plan: StepPlan, eos_token_ids, grammars: GrammarCompiler | None = None,
-                     feed_rows: dict[str, int] | None = None, drafts: bool = False) -> StepInput:
+                     feed_rows: dict[str, int] | None = None, drafts: bool = False,
+                     adapter_slots: dict[str, int] | None = None) -> StepInput:
     """The plan's chunks, back to back. ``grammars`` fills the token bitmasks of constrained
     requests (their matchers have seen every past token: such requests keep steps synchronous).
     ``drafts``: the executor guesses after the step (a draft model), so a chunk asking for guesses
-    carries the history to guess from; n-gram guesses are made on this side and need none."""
-    return StepInput(tuple(_sequence_input(chunk, eos_token_ids, grammars, feed_rows, drafts) for chunk in plan.chunks))
+    carries the history to guess from; n-gram guesses are made on this side and need none.
+    ``adapter_slots``: the device slot of each LoRA adapter the plan's requests run with."""
+    return StepInput(tuple(_sequence_input(chunk, eos_token_ids, grammars, feed_rows, drafts, adapter_slots or {})
+                           for chunk in plan.chunks))
 
 
-def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows, drafts: bool) -> SequenceInput:
+def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows, drafts: bool,
+                    adapter_slots: dict[str, int]) -> SequenceInput:
     request = chunk.request
     token_ids, fed = _tokens(chunk, feed_rows)
     next_mask, draft_masks = _bitmasks(chunk, grammars)
@@ -39,7 +43,8 @@ def _sequence_input(chunk: ScheduledChunk, eos_token_ids, grammars, feed_rows, d
                          pages=np.asarray(request.page_ids, np.int32), prompt_targets=_prompt_targets(chunk),
                          sampling=sampling, num_drafts=len(chunk.draft_token_ids), draft_bitmasks=draft_masks,
                          request_id=request.request_id, propose=chunk.propose,
-                         history=np.asarray(request.all_token_ids, np.int32) if drafts and chunk.propose else None)
+                         history=np.asarray(request.all_token_ids, np.int32) if drafts and chunk.propose else None,
+                         lora_slot=0 if request.lora_name is None else adapter_slots[request.lora_name])
 
 
 def _tokens(chunk: ScheduledChunk, feed_rows) -> tuple[np.ndarray, np.ndarray]:

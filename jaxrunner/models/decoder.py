@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner import kernels
-from jaxrunner.models import layers
+from jaxrunner.models import layers, lora
 from jaxrunner.models.config import ModelConfig
 
 
@@ -123,8 +123,8 @@ class Decoder:
         when it holds, returning those hidden states too (zeros when it does not)."""
         def sampled_only(operands):
             x, attended = operands
-            return self.finish(layer, jnp.take(x, rows, axis=0), jnp.take(attended, rows, axis=0), context,
-                               attention, rows, probe)
+            return self.finish(lora.take_rows(layer, rows), jnp.take(x, rows, axis=0),
+                               jnp.take(attended, rows, axis=0), context, attention, rows, probe)
 
         if all_rows is None:
             return sampled_only((x, attended)), None

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner import kernels
-from jaxrunner.models import quant
+from jaxrunner.models import lora, quant
 
 NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured slower than XLA at 4)
 # Rows the native quantized matmul takes. Up to 4 rows it streams the packed weights through
@@ -35,7 +35,10 @@ def linear_f32(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
     on XLA:CPU that is also the fast path: measured [64, 576] x [576, 3072] bf16 -> f32 at 302
     GFLOP/s against 130 for a bf16 result and 152 for float32 operands (AVX512-BF16 here; no AMX).
     Float32 operands take the same route, so that one-row products reach the native kernel.
+    A weight with LoRA slots (``models.lora.LoraWeight``) adds each row's adapter delta.
     """
+    if isinstance(w, lora.LoraWeight):
+        return linear_f32(x, w.base, matmuls) + w.delta(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
     if quant.is_weight_only(w):
         return weight_only_matmul(x, w, matmuls)
     if isinstance(w, dict):

@@ -78,10 +78,20 @@ QUANTIZED_PART_SPECS = {
 }
 
 
+# LoRA slot factors (models/lora.py), under a layer's "lora": "a" [in, slots] and "b" [slots, out] of a
+# projection follow its sharding: a column-parallel projection splits b's output columns (a whole on
+# every shard), a row-parallel one splits a's input rows (b whole; XLA all-reduces the partial sums).
+LORA_KEY = "lora"
+LORA_PART_SPECS = {"a": lambda spec: P(spec[0], None) if len(spec) >= 1 and spec[0] is not None else REPLICATED,
+                   "b": lambda spec: P(None, spec[1]) if len(spec) >= 2 and spec[1] is not None else REPLICATED}
+
+
 def leaf_spec(path, rules) -> P:
     """The PartitionSpec of one params leaf, from its key path and the family's ``rules`` (a
-    quantized weight's parts by :data:`QUANTIZED_PART_SPECS`)."""
+    quantized weight's parts by :data:`QUANTIZED_PART_SPECS`, LoRA factors by :data:`LORA_PART_SPECS`)."""
     names = _leaf_names(path)
+    if len(names) >= 3 and names[-3] == LORA_KEY and names[-2] in rules and names[-1] in LORA_PART_SPECS:
+        return LORA_PART_SPECS[names[-1]](rules[names[-2]])
     name, part = (names[-1] if names else ""), None
     if len(names) >= 2 and names[-2] in rules and names[-1] not in rules:
         name, part = names[-2], names[-1]

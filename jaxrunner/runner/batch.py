@@ -21,13 +21,14 @@ from jaxrunner.runner.step_batch import StepBatch, lay_out
 
 
 def pack_step(step: StepInput, bucket: Bucket, page_size: int, vocab_size: int,
-              max_prefill_seqs: int | None = None) -> StepBatch:
+              max_prefill_seqs: int | None = None, lora: bool = False) -> StepBatch:
     """Lay out the step's sequences (decodes and prefill chunks alike) back to back.
 
     ``max_prefill_seqs`` is the bound the executables were compiled with: a step that breaks it
-    would silently drop attention blocks, so it is refused here.
+    would silently drop attention blocks, so it is refused here. ``lora``: the runner has adapter
+    slots (every row names one).
     """
     multi = step.num_multi_token_queries
     if max_prefill_seqs is not None and multi > max_prefill_seqs:
         raise RuntimeError(f"step has {multi} multi-token queries, the executables allow {max_prefill_seqs}")
-    return lay_out(bucket, page_size, vocab_size, step.sequences)
+    return lay_out(bucket, page_size, vocab_size, step.sequences, lora)

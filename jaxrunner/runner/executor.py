@@ -7,12 +7,15 @@ decided at start-up (``runner/startup.py``): the KV pool, the buckets, the execu
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
 
 from jaxrunner.config import EngineConfig
 from jaxrunner.executor_protocol import NO_TOKEN, SampledRows, SamplingLimits, StepInput, accepted_tokens
+from jaxrunner.models.loading import peft
+from jaxrunner.models.params import param_shapes
 from jaxrunner.runner import weights
 from jaxrunner.runner.batch import pack_step
 from jaxrunner.runner.buckets import MAX_SPEC_SEQS
@@ -78,6 +81,10 @@ class Executor:
         return self.draft_proposer is not None
 
     @property
+    def max_loras(self) -> int:
+        return 0 if self.runner.lora_spec is None else self.runner.lora_spec.max_loras
+
+    @property
     def synchronous(self) -> bool:
         # several processes run one deterministic schedule each; keep them in lockstep
         return jax.process_count() > 1
@@ -85,7 +92,8 @@ class Executor:
     # ------------------------------------------------------------------ steps
     def execute(self, step: StepInput) -> StepHandle:
         bucket = self.bucket_plan.select(step.num_tokens, len(step.sequences), step.widest)
-        batch = pack_step(step, bucket, self.page_size, self.vocab_size, self.max_prefill_seqs)
+        batch = pack_step(step, bucket, self.page_size, self.vocab_size, self.max_prefill_seqs,
+                          lora=self.max_loras > 0)
         return StepHandle(self.runner.dispatch(bucket, batch), bucket.num_seqs, step)
 
     def fetch(self, handle: StepHandle, prompt_logprobs: bool) -> SampledRows:
@@ -130,6 +138,24 @@ class Executor:
         placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.params))
         self.runner.params = placed
         self.model = dataclasses.replace(self.model, params=placed)
+
+
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, name: str, source) -> peft.Adapter:
+        if self.max_loras == 0:
+            raise ValueError(f"lora_request {name!r}: this engine serves no adapters; start it with enable_lora=True")
+        cfg, max_rank = self.model.config, self.runner.lora_spec.max_rank
+        layer_shapes = param_shapes(cfg)["layers"]
+        if isinstance(source, (str, os.PathLike)):
+            return peft.adapter_from_peft(name, source, cfg, layer_shapes, max_rank)
+        tensors, rank, alpha, use_rslora = source
+        return peft.adapter_from_tensors(name, tensors, cfg, layer_shapes, max_rank, rank=rank, alpha=alpha,
+                                         use_rslora=use_rslora)
+
+    def load_lora_slot(self, slot: int, adapter: peft.Adapter) -> None:
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"slot {slot}: valid 1..{self.max_loras}")
+        self.runner.write_lora_slot(slot, adapter.layers)
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:

@@ -23,15 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner import kernels
-from jaxrunner.models import registry
+from jaxrunner.models import lora, registry
 from jaxrunner.models.attention import PagedAttention
 from jaxrunner.models.config import ModelConfig
+from jaxrunner.models.params import param_shapes
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner import cache_events, sampler
 from jaxrunner.runner.step_batch import StepBatch
 
 
-def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attention):
+def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attention, max_loras: int = 0):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
     ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (a family
@@ -45,7 +46,12 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
 
     Speculative decoding: a batch with ``draft_rows`` also samples those rows (after the
     sequences' own rows), each verifying one proposed token (``sampler.with_draft_rows``).
+
+    LoRA: ``params`` carry ``max_loras`` adapter slots (``models.lora.attach``) and each token row
+    names its slot in ``batch.lora_slots``.
     """
+    if max_loras:
+        params = lora.bind(params, batch.lora_slots, max_loras, params["final_norm"].dtype)
     fed = jnp.take(feed, jnp.maximum(batch.feed_rows, 0), axis=0)
     token_ids = jnp.where(batch.feed_rows >= 0, fed, batch.token_ids)
     targets = batch.prompt_targets
@@ -86,7 +92,7 @@ def _forward(architecture, params, token_ids, positions, kv_cache, meta, attenti
 _SHARED_STEPS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
-def jitted_step(architecture, attention, shardings=None):
+def jitted_step(architecture, attention, shardings=None, max_loras: int = 0):
     """``model_step`` jitted with the cache donated (and, on a mesh, the declared ``(params, cache,
     replicated)`` shardings), one per distinct argument set, shared by the runners alive in the process.
 
@@ -95,21 +101,21 @@ def jitted_step(architecture, attention, shardings=None):
     reuses them all and compiles nothing while the first is alive; once every runner holding the
     function is gone, so are its executables. Arguments that cannot be hashed (a user's
     architecture object) get a function of their own."""
-    key = (architecture, attention,
+    key = (architecture, attention, max_loras,
            None if shardings is None else jax.tree.flatten(shardings, is_leaf=lambda x: x is None))
     try:
         hash(key)
     except TypeError:
-        return _jit_step(architecture, attention, shardings)
+        return _jit_step(architecture, attention, shardings, max_loras)
     step = _SHARED_STEPS.get(key)
     if step is None:
-        step = _jit_step(architecture, attention, shardings)
+        step = _jit_step(architecture, attention, shardings, max_loras)
         _SHARED_STEPS[key] = step
     return step
 
 
-def _jit_step(architecture, attention, shardings):
-    step = functools.partial(model_step, architecture=architecture, attention=attention)
+def _jit_step(architecture, attention, shardings, max_loras: int):
+    step = functools.partial(model_step, architecture=architecture, attention=attention, max_loras=max_loras)
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
     params, cache, replicated = shardings
@@ -169,13 +175,14 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params, cache_spec: KVCacheSpec, attention_impl: str,
                  mesh=None, max_prefill_seqs: int | None = None, max_seqs_per_step: int = 512, architecture=None,
-                 matmuls: kernels.MatmulKernels | None = None):
+                 matmuls: kernels.MatmulKernels | None = None, lora_spec: lora.LoraSpec | None = None):
         """``attention_impl``: one of ``kernels.ATTENTION_IMPLS``, chosen at start-up
         (``startup.choose_attention``); ``max_seqs_per_step``: the widest bucket's sequences (the
         length of the token feed);
         ``architecture``: the model functions (default: ``cfg``'s registered family, its linear
         products where ``matmuls`` says: chosen at start-up by ``kernels.choose_matmuls``, by
-        default ``kernels.capabilities``' choice for this platform)."""
+        default ``kernels.capabilities``' choice for this platform); ``lora_spec``: adapter slots
+        beside the params (``models.lora``), all zero until :meth:`write_lora_slot`."""
         self.cfg = cfg
         self.cache_spec = cache_spec
         self.mesh = mesh if mesh is not None else meshes.build_mesh(1, 1)
@@ -189,24 +196,37 @@ class ModelRunner:
         self.matmuls = matmuls  # where the model's products run
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
-        param_shardings = sharding.param_shardings(params, self.mesh, registry.partition_rules(cfg))
+        self.lora_spec = lora_spec
+        rules = registry.partition_rules(cfg)
+        param_shardings = sharding.param_shardings(params, self.mesh, rules)
+        slots = slot_shardings = None
+        if lora_spec is not None:
+            slots = lora_spec.empty_slots(param_shapes(cfg)["layers"], params["final_norm"].dtype)
+            attached = sharding.param_shardings(lora.attach(params, slots), self.mesh, rules)
+            slot_shardings = [layer[lora.SLOTS_KEY] for layer in attached["layers"]]
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool,) * len(cache_spec.pool_shapes(attention_impl))] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
         architecture = architecture if architecture is not None else registry.architecture_for(cfg, self.matmuls)
+        max_loras = 0 if lora_spec is None else lora_spec.max_loras
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
-            self._jitted_step = jitted_step(architecture, attention)  # compile time (~10% measured)
+            self._jitted_step = jitted_step(architecture, attention, max_loras=max_loras)  # compile time (~10%)
         else:
-            self._jitted_step = jitted_step(architecture, attention, (param_shardings, cache_shardings,
-                                                                      self.batch_sharding))
+            step_params = param_shardings if slots is None else lora.attach(param_shardings, slot_shardings)
+            self._jitted_step = jitted_step(architecture, attention, (step_params, cache_shardings,
+                                                                      self.batch_sharding), max_loras)
         self._executables: dict = {}
         self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
+        self.lora_slots = None
+        if slots is not None:
+            self.lora_slots = jax.device_put(slots, slot_shardings)
+            self._write_slot = jax.jit(lora.write, out_shardings=slot_shardings)
         self.kv_cache = cache_spec.allocate(pool, attention_impl)
         self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
 
     def trace(self, batch):
         """The step traced to a jaxpr for ``batch``'s shapes (Python runs the model once)."""
-        return self._jitted_step.trace(self.params, self.kv_cache, batch, self.feed)
+        return self._jitted_step.trace(self.step_params, self.kv_cache, batch, self.feed)
 
     def lower(self, batch):
         return self.trace(batch).lower()
@@ -267,8 +287,18 @@ class ModelRunner:
             raise RuntimeError(f"bucket {bucket} was not compiled at warm-up")
         if jax.process_count() > 1:  # every process passes the same batch as one global array
             batch = jax.device_put(batch, self.batch_sharding)
-        sampled, self.feed, self.kv_cache = executable(self.params, self.kv_cache, batch, self.feed)
+        sampled, self.feed, self.kv_cache = executable(self.step_params, self.kv_cache, batch, self.feed)
         return sampled
+
+    @property
+    def step_params(self):
+        """What the step reads: the params, with the adapter slots attached when there are some."""
+        return self.params if self.lora_slots is None else lora.attach(self.params, self.lora_slots)
+
+    def write_lora_slot(self, slot: int, adapter_layers: list) -> None:
+        """Put an adapter (``models.loading.peft.Adapter.layers``) into ``slot`` (1-based); the
+        steps dispatched from now on read it, one in flight keeps the slots it was given."""
+        self.lora_slots = self._write_slot(self.lora_slots, np.int32(slot), adapter_layers)
 
     @staticmethod
     def fetch(sampled, prompt_logprobs: bool = True) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ import jax
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.models import registry
+from jaxrunner.models.lora import LoraSpec
 from jaxrunner.models.loading import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
@@ -156,9 +157,11 @@ def _profile_activation_bytes(model: LoadedModel, plan: BucketPlan, template: KV
     impl, _ = choose_attention(config, platform, model.config)
     runner = ModelRunner(model.config, model.params, spec, impl, mesh=mesh,
                          max_prefill_seqs=config.max_num_prefill_seqs, max_seqs_per_step=largest.num_seqs,
-                         architecture=model.architecture, matmuls=choose_matmuls(config, platform)[0])
+                         architecture=model.architecture, matmuls=choose_matmuls(config, platform)[0],
+                         lora_spec=lora_spec(config, model))
     batch = warmup.random_dummy_batch(jax.random.key(config.seed), largest, spec.page_size, spec.num_pages,
-                                      model.config.vocab_size, max_model_len, config.max_num_prefill_seqs)
+                                      model.config.vocab_size, max_model_len, config.max_num_prefill_seqs,
+                                      max_loras=config.max_loras if config.enable_lora else 0)
     return int(runner.compile(largest, batch).get("temp_bytes", 0))
 
 
@@ -181,6 +184,21 @@ def _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh
         bytes_per_page=bytes_per_page,
         max_useful_pages=config.max_num_seqs * pages_per_seq + 1, kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     return num_pages, how, activation_bytes
+
+
+def lora_spec(config: EngineConfig, model: LoadedModel) -> LoraSpec | None:
+    """The adapter slots ``config`` asks for (None without ``enable_lora``); a model they cannot
+    serve is refused by name."""
+    if not config.enable_lora:
+        return None
+    if model.architecture is not None:
+        raise ValueError("enable_lora: adapters are served on the registered families' models, not on a user's "
+                         "architecture (a Flax NNX module)")
+    if model.kv_head_replication > 1:
+        raise ValueError(f"enable_lora with tensor_parallel_size={config.tensor_parallel_size}: the model's KV heads "
+                         f"are replicated across shards, which LoRA slots do not support; use a tensor_parallel_size "
+                         f"that divides the number of KV heads")
+    return LoraSpec(config.max_loras, config.max_lora_rank)
 
 
 def start_runner(config: EngineConfig, model: LoadedModel) -> tuple[ModelRunner, BucketPlan, int, dict]:
@@ -226,7 +244,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     t_sized = time.perf_counter()
     runner = ModelRunner(cfg, model.params, spec, impl, mesh=mesh, max_prefill_seqs=config.max_num_prefill_seqs,
                          max_seqs_per_step=max(bucket.num_seqs for bucket in plan.buckets()),
-                         architecture=model.architecture, matmuls=matmuls)
+                         architecture=model.architecture, matmuls=matmuls, lora_spec=lora_spec(config, model))
     jax.block_until_ready(runner.kv_cache)
     t_alloc = time.perf_counter()
 
@@ -322,6 +340,9 @@ def _report(config, model, runner, plan, per_bucket, budget, how, max_model_len,
         "tensor_parallel_size": meshes.tensor_parallel_size(runner.mesh),
         "weights_bytes_per_device": max(sharding.bytes_per_device(runner.params).values()),
         "kv_bytes_per_device": max(sharding.bytes_per_device(runner.kv_cache).values()),
+        "lora": None if runner.lora_spec is None else {
+            "max_loras": runner.lora_spec.max_loras, "max_lora_rank": runner.lora_spec.max_rank,
+            "slot_bytes_per_device": max(sharding.bytes_per_device(runner.lora_slots).values())},
         "kv_heads": spec.num_kv_heads,
         "kv_head_replication": model.kv_head_replication,
         "attention_impl": runner.attention_impl,

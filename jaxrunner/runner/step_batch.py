@@ -145,7 +145,7 @@ class DraftRows:
 
 
 @_pytree("token_ids", "feed_rows", "positions", "logits_indices", "prompt_targets", "attention", "sampling",
-         "draft_rows")
+         "draft_rows", "lora_slots")
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One step's input at a bucket's shape: numpy arrays on the host, traced in the jitted step."""
@@ -158,9 +158,10 @@ class StepBatch:
     attention: AttentionMetadata  # what the KV write and attention read
     sampling: SamplingMetadata    # one sampling row per sequence slot
     draft_rows: DraftRows | None  # speculative verification rows; None in buckets without them
+    lora_slots: np.ndarray | None = None  # [T] int32: each row's adapter slot, 0 for none; None without LoRA
 
     @classmethod
-    def empty(cls, bucket: Bucket, page_size: int, vocab_size: int) -> StepBatch:
+    def empty(cls, bucket: Bucket, page_size: int, vocab_size: int, lora: bool = False) -> StepBatch:
         """A batch of ``bucket``'s shape with nothing in it (every row padding)."""
         t, s, w = bucket.num_tokens, bucket.num_seqs, bucket.num_pages
         attention = AttentionMetadata(slot_mapping=np.full(t, SCRATCH_PAGE * page_size, np.int32),
@@ -171,7 +172,8 @@ class StepBatch:
                    positions=np.zeros(t, np.int32), logits_indices=np.zeros(s, np.int32),
                    prompt_targets=np.full(t, NO_TOKEN, np.int32), attention=attention,
                    sampling=SamplingMetadata.empty(s, w * page_size, vocab_size),
-                   draft_rows=DraftRows.empty(bucket.num_draft_rows, vocab_size) if bucket.num_draft_rows else None)
+                   draft_rows=DraftRows.empty(bucket.num_draft_rows, vocab_size) if bucket.num_draft_rows else None,
+                   lora_slots=np.zeros(t, np.int32) if lora else None)
 
     @property
     def num_seqs(self) -> int:
@@ -227,13 +229,15 @@ def random_sampling_rows(rng: np.random.Generator, prompt_lens: Sequence[int], v
 
 
 # ----------------------------------------------------------------------------- the layout
-def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence[SequenceInput]) -> StepBatch:
+def lay_out(bucket: Bucket, page_size: int, vocab_size: int, sequences: Sequence[SequenceInput],
+            lora: bool = False) -> StepBatch:
     """The batch of ``bucket``'s shape holding ``sequences`` back to back, the rest padding
-    (``vocab_size``: the model's logits, which the token bitmask covers)."""
+    (``vocab_size``: the model's logits, which the token bitmask covers; ``lora``: the runner has
+    adapter slots, so every row names one)."""
     if len(sequences) > bucket.num_seqs or sum(len(seq.token_ids) for seq in sequences) > bucket.num_tokens:
         raise RuntimeError(f"{len(sequences)} sequences of {sum(len(seq.token_ids) for seq in sequences)} tokens "
                            f"do not fit bucket {bucket}")
-    batch = StepBatch.empty(bucket, page_size, vocab_size)
+    batch = StepBatch.empty(bucket, page_size, vocab_size, lora)
     cursor, draft_row = 0, 0
     for slot, seq in enumerate(sequences):
         _lay_out_tokens(batch, slot, seq, cursor, page_size)
@@ -255,6 +259,10 @@ def _lay_out_tokens(batch: StepBatch, slot: int, seq: SequenceInput, cursor: int
     pages = np.asarray(seq.pages, np.int32)
     batch.token_ids[rows] = seq.token_ids
     batch.feed_rows[rows] = seq.feed_rows
+    if batch.lora_slots is not None:
+        batch.lora_slots[rows] = seq.lora_slot
+    elif seq.lora_slot:
+        raise RuntimeError(f"{_who(seq, slot)}: adapter slot {seq.lora_slot}, and the runner has no LoRA slots")
     batch.positions[rows] = positions
     if seq.prompt_targets is not None:
         batch.prompt_targets[rows] = seq.prompt_targets

@@ -83,11 +83,12 @@ def _random_drafts(rng: np.random.Generator, q_lens: np.ndarray, draft_rows: int
 
 def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
                        max_model_len: int, max_prefill_seqs: int | None = None,
-                       max_context: int | None = None) -> StepBatch:
+                       max_context: int | None = None, max_loras: int = 0) -> StepBatch:
     """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring),
     laid out by ``step_batch.lay_out`` as served batches are. A quarter of the tokens read the
     previous step's sampled ids on the device (async scheduling); in about half of the batches,
-    half of the rows want prompt logprobs.
+    half of the rows want prompt logprobs. With ``max_loras`` adapter slots, each sequence runs
+    with a random one of them or none.
 
     ``max_context`` bounds the cached tokens before each query, except for the first decode,
     which still reaches anywhere up to the full page table: attention's cost follows the real
@@ -112,16 +113,18 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     if rng.random() < 0.5:
         targets = np.where(rng.random(tokens) < 0.5, rng.integers(0, vocab_size, tokens), NO_TOKEN)
     starts = np.cumsum(q_lens) - q_lens
+    adapters = rng.integers(0, max_loras + 1, len(queries))
     return lay_out(bucket, page_size, vocab_size, [
         SequenceInput(token_ids=query.token_ids, feed_rows=feed[start:start + q_len], kv_len=query.kv_len,
                       pages=query.pages, prompt_targets=None if targets is None else targets[start:start + q_len],
-                      sampling=row, num_drafts=k)
-        for query, q_len, start, row, k in zip(queries, q_lens, starts, sampling, drafts)])
+                      sampling=row, num_drafts=k, lora_slot=int(adapter))
+        for query, q_len, start, row, k, adapter in zip(queries, q_lens, starts, sampling, drafts, adapters)],
+        lora=max_loras > 0)
 
 
-def zeros_dummy_batch(bucket: Bucket, page_size: int, vocab_size: int) -> StepBatch:
+def zeros_dummy_batch(bucket: Bucket, page_size: int, vocab_size: int, lora: bool = False) -> StepBatch:
     """The zero-filled batch (for comparison only): same shapes, so the same executables."""
-    batch = StepBatch.empty(bucket, page_size, vocab_size)
+    batch = StepBatch.empty(bucket, page_size, vocab_size, lora)
     batch.attention.num_seqs[...] = bucket.num_seqs
     return batch
 
@@ -179,15 +182,18 @@ def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_si
     thread), ``compile`` (the wait for compile threads beyond lowering), ``run``.
     """
     start = time.perf_counter()
+    max_loras = 0 if runner.lora_spec is None else runner.lora_spec.max_loras
     if mode == "random":
         batches = {b: random_dummy_batch(jax.random.fold_in(key, i), b, page_size, runner.cache_spec.num_pages,
-                                         vocab_size, max_model_len, max_prefill_seqs, WARMUP_MAX_CONTEXT)
+                                         vocab_size, max_model_len, max_prefill_seqs, WARMUP_MAX_CONTEXT, max_loras)
                    for i, b in enumerate(buckets)}
     else:
-        batches = {b: zeros_dummy_batch(b, page_size, vocab_size) for b in buckets}
+        batches = {b: zeros_dummy_batch(b, page_size, vocab_size, max_loras > 0) for b in buckets}
     built = time.perf_counter()
     per_bucket = runner.compile_all(batches)
     compiled = time.perf_counter()
+    if max_loras:
+        fill_lora_slots(runner, jax.random.fold_in(key, len(buckets)))
     for bucket in tqdm(buckets, desc="warm-up", disable=not progress):
         batch = batches[bucket]
         run_start = time.perf_counter()
@@ -195,11 +201,29 @@ def warm_up(runner, buckets: list[Bucket], *, key: jax.Array, mode: str, page_si
         per_bucket[bucket]["run_s"] = time.perf_counter() - run_start
         if mode == "random":
             check_sampled(sampled, batch.num_seqs, vocab_size, bucket)
+    if max_loras:
+        fill_lora_slots(runner, None)
     traced = sum(info["trace_s"] for info in per_bucket.values())
     lowered = sum(info["lower_s"] for info in per_bucket.values())
     phases = {"dummy_batches": built - start, "trace": traced, "lower": lowered,
               "compile": compiled - built - traced - lowered, "run": time.perf_counter() - compiled}
     return {str(b): info for b, info in per_bucket.items()}, phases
+
+
+def fill_lora_slots(runner, key: jax.Array | None) -> None:
+    """Write every adapter slot through the writer serving uses (compiling it now): random small
+    factors under ``key`` (the buckets then run real adapter products), zeros for None."""
+    rng = np.random.default_rng(None if key is None else int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    slots = runner.lora_spec.max_loras
+
+    def values(shape) -> np.ndarray:
+        return np.zeros(shape, np.float32) if key is None else (0.02 * rng.standard_normal(shape)).astype(np.float32)
+
+    for slot in range(1, slots + 1):
+        adapter = [{name: {"a": values((factors["a"].shape[0], factors["a"].shape[1] // slots)),
+                           "b": values((factors["b"].shape[0] // slots, factors["b"].shape[1]))}
+                    for name, factors in layer.items()} for layer in runner.lora_slots]
+        runner.write_lora_slot(slot, adapter)
 
 
 def check_sampled(sampled: dict, live: int, vocab_size: int, bucket: Bucket) -> None:

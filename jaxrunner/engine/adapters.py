@@ -1,0 +1,167 @@
+"""LoRA adapters on the engine's side (host only): which are known, and which sit in which slot.
+
+``AdapterRegistry`` holds the adapters requests may name: read and laid out by the executor
+(``Executor.load_adapter``; opaque here), keyed by name, at most ``max_cpu_loras`` of them in host
+memory. An adapter that no unfinished request names and that can be read again from its directory
+is dropped when room is needed, least recently used first. A name keeps its id for as long as it
+is known; ``update`` bumps its version, so the prefix cache and the slots never serve old weights.
+
+``AdapterSlots`` is one replica's ``max_loras`` device slots: before a step is laid out, every
+adapter of the plan is given a slot, loading it (``Executor.load_lora_slot``) into a free slot or
+the least recently used one that this plan does not need. The scheduler keeps the adapters of the
+running requests within ``max_loras``, so a plan's always fit.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any, Callable, Iterable
+
+from jaxrunner.lora_request import LoRARequest
+
+
+@dataclasses.dataclass
+class _Adapter:
+    request: LoRARequest
+    data: Any           # what the executor laid out (host arrays)
+    version: int = 0    # bumped by update: slots and cached pages of older versions are stale
+
+    @property
+    def cache_salt(self) -> int:
+        """What keys this adapter's prefix-cache pages apart from the base model's and other versions'."""
+        return hash(("lora", self.request.lora_name, self.request.lora_int_id, self.version)) or 1
+
+
+class AdapterRegistry:
+    def __init__(self, max_cpu_loras: int, load: Callable[[str, Any], Any]):
+        """``load(name, source)``: the executor's ``load_adapter`` (a PEFT directory, or in-memory
+        tensors); it raises ``ValueError`` for an adapter the model cannot take."""
+        self.max_cpu_loras = max_cpu_loras
+        self._load = load
+        self._adapters: collections.OrderedDict[str, _Adapter] = collections.OrderedDict()
+        self._lock = threading.Lock()  # validation runs on callers' threads
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def names(self) -> list[str]:
+        return list(self._adapters)
+
+    def get(self, name: str) -> _Adapter:
+        return self._adapters[name]
+
+    def resolve(self, request: LoRARequest, in_use: Callable[[], set[str]]) -> _Adapter:
+        """The adapter ``request`` names, read from its directory the first time (``ValueError``
+        when it cannot be, or when its name or id clash with a known adapter's)."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(request).__name__}")
+        with self._lock:
+            known = self._adapters.get(request.lora_name)
+            if known is not None:
+                _check_same(known.request, request)
+                self._adapters.move_to_end(request.lora_name)
+                return known
+            _check_id_free(self._adapters.values(), request)
+            if not request.lora_path:
+                raise ValueError(f"lora_request {request.lora_name!r}: unknown adapter and no lora_path to read it "
+                                 f"from (known: {', '.join(self._adapters) or 'none'})")
+            return self._insert(request, self._load(request.lora_name, request.lora_path), in_use)
+
+    def add(self, request: LoRARequest, source: Any, in_use: Callable[[], set[str]]) -> _Adapter:
+        """A new adapter from ``source`` (its directory, or tensors in memory); its name must be new."""
+        with self._lock:
+            if request.lora_name in self._adapters:
+                raise ValueError(f"add_lora: an adapter named {request.lora_name!r} is already loaded; "
+                                 f"use update_lora to change its weights, or remove_lora first")
+            _check_id_free(self._adapters.values(), request)
+            return self._insert(request, self._load(request.lora_name, source), in_use)
+
+    def update(self, name: str, source: Any) -> _Adapter:
+        """New weights for a known adapter, served from the next step on."""
+        with self._lock:
+            if name not in self._adapters:
+                raise ValueError(f"update_lora: no adapter named {name!r} (known: {', '.join(self._adapters) or 'none'})")
+            entry = self._adapters[name]
+            data = self._load(name, source)
+            entry.data, entry.version = data, entry.version + 1
+            return entry
+
+    def remove(self, name: str, in_use: set[str]) -> bool:
+        """Forget an adapter no unfinished request names; False when it is unknown."""
+        with self._lock:
+            if name not in self._adapters:
+                return False
+            if name in in_use:
+                raise ValueError(f"remove_lora: adapter {name!r} is in use by unfinished requests")
+            del self._adapters[name]
+            return True
+
+    def _insert(self, request: LoRARequest, data: Any, in_use: Callable[[], set[str]]) -> _Adapter:
+        if len(self._adapters) >= self.max_cpu_loras:
+            self._make_room(in_use())
+        entry = self._adapters[request.lora_name] = _Adapter(request, data)
+        return entry
+
+    def _make_room(self, in_use: set[str]) -> None:
+        """Drop the least recently used adapter that can be read again and that nothing uses."""
+        for name, entry in self._adapters.items():
+            if name not in in_use and entry.request.lora_path:
+                del self._adapters[name]
+                return
+        raise ValueError(f"max_cpu_loras={self.max_cpu_loras}: every adapter in host memory is in use or was "
+                         f"added from memory; remove one (remove_lora) or raise max_cpu_loras")
+
+
+def _check_same(known: LoRARequest, request: LoRARequest) -> None:
+    if request.lora_int_id != known.lora_int_id:
+        raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {request.lora_int_id}, but the adapter "
+                         f"of that name has id {known.lora_int_id}")
+    if request.lora_path and known.lora_path and request.lora_path != known.lora_path:
+        raise ValueError(f"lora_request {request.lora_name!r}: lora_path {request.lora_path!r}, but the adapter of "
+                         f"that name was read from {known.lora_path!r}")
+
+
+def _check_id_free(adapters: Iterable[_Adapter], request: LoRARequest) -> None:
+    for entry in adapters:
+        if entry.request.lora_int_id == request.lora_int_id:
+            raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {request.lora_int_id} is taken by "
+                             f"adapter {entry.request.lora_name!r}")
+
+
+class AdapterSlots:
+    """One replica's device slots 1..max_loras: which adapter version each holds, least recent first."""
+
+    def __init__(self, max_loras: int, load_slot: Callable[[int, Any], None]):
+        self.max_loras = max_loras
+        self._load_slot = load_slot
+        self._held: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()  # slot -> (name, version)
+        self.num_loads = 0
+
+    def assign(self, adapters: dict[str, _Adapter]) -> dict[str, int]:
+        """A slot for each of a plan's adapters (at most ``max_loras``), loading those not in one."""
+        if len(adapters) > self.max_loras:
+            raise RuntimeError(f"a step names {len(adapters)} adapters, the device holds {self.max_loras}")
+        slots = {}
+        for name, entry in adapters.items():
+            slot = self._find(name, entry.version)
+            if slot is None:
+                slot = self._free_slot(adapters)
+                self._load_slot(slot, entry.data)
+                self.num_loads += 1
+                self._held.pop(slot, None)
+                self._held[slot] = (name, entry.version)
+            self._held.move_to_end(slot)
+            slots[name] = slot
+        return slots
+
+    def _find(self, name: str, version: int) -> int | None:
+        return next((slot for slot, held in self._held.items() if held == (name, version)), None)
+
+    def _free_slot(self, adapters: dict[str, _Adapter]) -> int:
+        """An empty slot, else the least recently used one holding nothing the plan needs."""
+        empty = [slot for slot in range(1, self.max_loras + 1) if slot not in self._held]
+        if empty:
+            return empty[0]
+        return next(slot for slot, (name, version) in self._held.items()
+                    if name not in adapters or adapters[name].version != version)
