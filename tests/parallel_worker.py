@@ -111,7 +111,29 @@ def moe(model_dirs: str) -> dict:
             for family, path in json.loads(model_dirs).items()}
 
 
+def lora(spec: str) -> dict:
+    """LoRA adapters (JSON: the base directory and {name: adapter directory}) in one batch at TP 1
+    and TP 2: the same tokens, the slot factors split as their projections are."""
+    from jaxrunner import LLM, LoRARequest, SamplingParams
+
+    spec = json.loads(spec)
+    adapters = [LoRARequest(name, index, path) for index, (name, path) in enumerate(spec["adapters"].items(), 1)]
+    prompts = random_prompts(3, 512, 3, 30, seed=4)
+    requests = [adapter for adapter in [None, *adapters] for _ in prompts]
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(spec["base"], **MESH_ENGINE, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8)
+        with count_compilations() as compiles:
+            outputs = llm.generate(prompts * (len(adapters) + 1), SamplingParams(max_tokens=8, **GREEDY),
+                                   use_tqdm=False, lora_request=requests)
+        slots = llm.engine.executor.runner.lora_slots[0]
+        results[f"tp{tp}"] = {"tokens": token_ids(outputs), "serving_compiles": len(compiles),
+                              "split": {f"{name}/{part}": list(slots[name][part].sharding.spec)
+                                        for name in ("wqkv", "wo") for part in ("a", "b")}}
+    return results
+
+
 if __name__ == "__main__":
     scenario, arg = sys.argv[1], sys.argv[2]
-    result = {"tiny": tiny, "smollm2": smollm2, "in_memory": in_memory, "moe": moe}[scenario](arg)
+    result = {"tiny": tiny, "smollm2": smollm2, "in_memory": in_memory, "moe": moe, "lora": lora}[scenario](arg)
     print(json.dumps(result))

@@ -209,3 +209,17 @@ def test_qwen3_adapters_in_one_batch_match_transformers_peft(tmp_path):
     got = token_ids(engine.generate(prompts(len(order)), GREEDY, use_tqdm=False,
                                     lora_request=[refs[name][0] for name in order for _ in PROMPTS]))
     assert got == [tokens for name in order for tokens in refs[name][1]]
+
+
+def test_tensor_parallel_adapters_split_with_their_projections(llama):
+    """TP 2 on 8 forced CPU devices serves each adapter's tokens, B split by columns of q/k/v and A
+    by rows of the output projection, compiling nothing while serving."""
+    from test_parallel import _run_worker
+
+    spec = {"base": llama[0], "adapters": {name: llama[1][name][0].lora_path for name in ("all", "mlp_rs")}}
+    result = _run_worker("lora", json.dumps(spec))
+    assert result["tp2"]["tokens"] == result["tp1"]["tokens"]
+    tokens = result["tp1"]["tokens"]
+    assert tokens[:3] != tokens[3:6] and tokens[3:6] != tokens[6:]  # base, then each adapter's rows
+    assert result["tp2"]["split"] == {"wqkv/a": [], "wqkv/b": [None, "model"], "wo/a": ["model", None], "wo/b": []}
+    assert result["tp1"]["serving_compiles"] == result["tp2"]["serving_compiles"] == 0
