@@ -130,14 +130,15 @@ def make_prompts(kind: str, tokenizer, rng: np.random.Generator, batch_size: int
     return [list(tokenizer.encode(text, add_special_tokens=False))] * batch_size
 
 
-def run_batch(engine, prompts: list[list[int]], params) -> tuple[list, list, list, list]:
+def run_batch(engine, prompts: list[list[int]], params, lora_requests=None) -> tuple[list, list, list, list]:
     """Submit the prompts together and step until they finish: per request TTFT, TPOT, e2e, and
-    the (proposed, accepted) speculative tokens."""
+    the (proposed, accepted) speculative tokens. ``lora_requests``: each prompt's adapter."""
     ids = [f"latency-{next(_ids)}" for _ in prompts]
     first, last, count, drafts = {}, {}, {}, {}
     submitted = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    for index, (request_id, prompt) in enumerate(zip(ids, prompts)):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params,
+                           None if lora_requests is None else lora_requests[index])
     pending = set(ids)
     while pending:
         outputs = engine.step()
