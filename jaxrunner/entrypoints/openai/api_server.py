@@ -3,12 +3,14 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events when
 ``stream``), ``GET /v1/models``, ``POST /tokenize`` and ``/detokenize`` (vLLM's), ``GET /version``,
 ``GET /health`` (503 until warm-up is done, or once the engine failed), ``GET /metrics``
-(Prometheus, vLLM's names) and ``/openapi.json``. Errors use OpenAI's JSON shape: 400 names the
-request's field, 401 a missing or wrong key, 404 an unknown model, 413 a body over the size limit,
-503 (with ``Retry-After``) when more requests would wait than ``max_queue``. A request's error never
-stops the engine loop or other requests; a client that disconnects aborts its requests, which frees
-their pages at once. The process around the app (signals, shutdown, exit status) is
-``server_process``; the request bodies and their mapping onto SamplingParams are ``protocol``.
+(Prometheus, vLLM's names), ``/openapi.json`` and, with LoRA, vLLM's ``POST /v1/load_lora_adapter``
+and ``/v1/unload_lora_adapter``; a request's ``model`` may name an adapter (``lora``). Errors use
+OpenAI's JSON shape: 400 names the request's field, 401 a missing or wrong key, 404 an unknown model
+(or adapter), 413 a body over the size limit, 503 (with ``Retry-After``) when more requests would wait
+than ``max_queue``. A request's error never stops the engine loop or other requests; a client that
+disconnects aborts its requests, which frees their pages at once. The process around the app (signals,
+shutdown, exit status) is ``server_process``; the request bodies and their mapping onto SamplingParams
+are ``protocol``.
 """
 from __future__ import annotations
 
@@ -36,10 +38,12 @@ from jaxrunner.engine.loop import EngineLoopClosed, EngineLoopDied
 from jaxrunner.entrypoints.openai import protocol
 from jaxrunner.entrypoints.openai.logprobs import (chat_logprobs, completion_logprobs, echo_completion_logprobs, joined,
                                                    prompt_logprobs_json)
+from jaxrunner.entrypoints.openai.lora import LoRAModulePath, ServedAdapters
 from jaxrunner.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from jaxrunner.entrypoints.openai.protocol import RequestError
 from jaxrunner.entrypoints.openai.tool_calls import ToolDeltas, ToolPlan, plan_tools, reply
 from jaxrunner.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
+from jaxrunner.lora_request import LoRARequest
 from jaxrunner.models.loading.hf import read_generation_config, sampling_defaults
 
 logger = logging.getLogger("jaxrunner.server")
@@ -67,6 +71,8 @@ class ServerConfig:
     chat_template: str | None = None  # --chat-template: a Jinja template (text) for requests that give none
     enable_auto_tool_choice: bool = False  # tool_choice "auto" reads calls with tool_call_parser
     tool_call_parser: str | None = None    # hermes, llama3_json, mistral, qwen3_xml
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters loaded at start-up, ids 1, 2, ... (the engine
+                                                   # needs enable_lora)
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -74,6 +80,13 @@ class ServerConfig:
                              f"({', '.join(TOOL_PARSERS)})")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # a ValueError lists the valid names
+        self.lora_modules = tuple(self.lora_modules)
+        names = [module.name for module in self.lora_modules]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"--lora-modules: the name {name!r} is given twice; each adapter needs its own")
+            if name in self.model_names:
+                raise ValueError(f"--lora-modules: {name!r} is the served model's name; an adapter needs its own")
 
     @property
     def model_names(self) -> list[str]:
@@ -95,11 +108,14 @@ class ServerState:
         self.sampling_defaults: dict = {}  # SamplingParams fields a request leaves unset
         self.created = int(time.time())
         self.tool_parser = get_tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None
+        self.adapters = ServedAdapters()
         if llm is not None:
             self.set_llm(llm)
 
     def set_llm(self, llm) -> None:
+        """Serve ``llm``, once the --lora-modules adapters are loaded (ValueError: one cannot be)."""
         self.sampling_defaults = _sampling_defaults(self.config.generation_config, llm)
+        self.adapters.load_at_start(llm, self.config.lora_modules)
         self.async_llm = AsyncLLM(llm)
         self.metrics.attach(self.async_llm.engine_loop)
 
@@ -179,7 +195,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def models(request: Request):
         _check_key(state, request)
         cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "jaxrunner",
-                  "root": state.config.model} for name in state.config.model_names]
+                  "root": state.config.model, "parent": None} for name in state.config.model_names]
+        cards += state.adapters.cards(state.config.model_name, state.created)
         if state.async_llm is not None:
             for card in cards:
                 card["max_model_len"] = state.async_llm.engine.max_model_len
@@ -220,6 +237,21 @@ def build_app(state: ServerState) -> FastAPI:
         body = await _read_body(state, request)
         return await _chat_completions(state, request, protocol.parse(protocol.ChatCompletionRequest, body))
 
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_schema(protocol.LoadLoRAAdapterRequest))
+    @_answering_errors
+    async def load_lora_adapter(request: Request):
+        body = protocol.parse(protocol.LoadLoRAAdapterRequest, await _read_body(state, request))
+        llm = _lora_llm(state)
+        await state.adapters.load(llm, body.lora_name, body.lora_path, state.config.model_names)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_schema(protocol.UnloadLoRAAdapterRequest))
+    @_answering_errors
+    async def unload_lora_adapter(request: Request):
+        body = protocol.parse(protocol.UnloadLoRAAdapterRequest, await _read_body(state, request))
+        await state.adapters.unload(_lora_llm(state), body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
     app.openapi = functools.partial(_openapi_with_bodies, app)
     return app
 
@@ -235,7 +267,8 @@ def _openapi_with_bodies(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         _, definitions = pydantic.json_schema.models_json_schema(
-            [(protocol.CompletionRequest, "validation"), (protocol.ChatCompletionRequest, "validation")],
+            [(model, "validation") for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest,
+                                                 protocol.LoadLoRAAdapterRequest, protocol.UnloadLoRAAdapterRequest)],
             ref_template="#/components/schemas/{model}")
         schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
         app.openapi_schema = schema
@@ -277,11 +310,24 @@ async def _read_body(state: ServerState, request: Request):
         raise RequestError("the request body nests JSON too deeply") from None
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.config.model_names:
-        served = ", ".join(f"`{name}`" for name in state.config.model_names)
+def _check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The adapter a request's ``model`` names (None: the base model); 404 for a name not served."""
+    if model is None or model in state.config.model_names:
+        return None
+    adapter = state.adapters.get(model)
+    if adapter is None:
+        served = ", ".join(f"`{name}`" for name in state.config.model_names + state.adapters.names())
         raise RequestError(f"model: the model `{model}` does not exist; this server serves {served}", status=404,
                            param="model", kind="not_found_error")
+    return adapter
+
+
+def _lora_llm(state: ServerState):
+    """The LLM whose adapters the load/unload endpoints change; 400 when it serves none."""
+    llm = state.ready().llm
+    if llm.engine.adapters is None:
+        raise RequestError("LoRA adapters are not enabled on this server; start it with --enable-lora")
+    return llm
 
 
 def _tokenize(state: ServerState, body) -> dict:
@@ -346,15 +392,17 @@ class _Call:
 
 
 def _start(state: ServerState, prompts: list, params, n: int, prefix: str, max_tokens_field: str,
-           max_tokens: int | None, renames: dict | None = None) -> _Call:
-    """Validate every prompt, check the queue, then queue every sample of every prompt.
-    ``max_tokens`` is what the client asked for under ``max_tokens_field`` (None: not given)."""
+           max_tokens: int | None, renames: dict | None = None, lora_request: LoRARequest | None = None) -> _Call:
+    """Validate every prompt, check the queue, then queue every sample of every prompt (with the
+    adapter ``lora_request``, None: the base model). ``max_tokens`` is what the client asked for
+    under ``max_tokens_field`` (None: not given)."""
     async_llm = state.ready()
     loop = async_llm.engine_loop
+    renames = {**(renames or {}), "lora_request": "model"}
     valid = []
     for prompt in prompts:
         try:
-            request = loop.validate(prompt, params)
+            request = loop.validate(prompt, params, lora_request)
         except ValueError as err:
             raise RequestError(str(err), param=protocol.field_of(str(err), renames)) from None
         protocol.check_max_tokens(max_tokens_field, max_tokens, len(request.prompt_token_ids),
@@ -363,8 +411,8 @@ def _start(state: ServerState, prompts: list, params, n: int, prefix: str, max_t
     _admit(state, loop, len(valid) * n)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     if state.config.log_requests:
-        logger.info("request %s: prompt tokens %s, n=%d, %s", request_id, [len(r.prompt_token_ids) for r in valid],
-                    n, params)
+        logger.info("request %s: prompt tokens %s, n=%d, %s%s", request_id, [len(r.prompt_token_ids) for r in valid],
+                    n, params, "" if lora_request is None else f", adapter {lora_request.lora_name}")
     streams, timers = [], []
     for request in valid:
         for index in range(n):
@@ -392,7 +440,7 @@ def _admit(state: ServerState, loop, new_requests: int) -> None:
 
 
 async def _completions(state: ServerState, request: Request, body: protocol.CompletionRequest):
-    _check_model(state, body.model)
+    adapter = _check_model(state, body.model)
     max_model_len = state.ready().engine.max_model_len
     protocol.check_prompt_logprobs(body)
     params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len, state.sampling_defaults)
@@ -402,7 +450,7 @@ async def _completions(state: ServerState, request: Request, body: protocol.Comp
     if body.response_format is not None:
         renames["structured_outputs"] = "response_format"
     call = _start(state, protocol.completion_prompts(body), params, body.n, "cmpl", "max_tokens", body.max_tokens,
-                  renames=renames)
+                  renames=renames, lora_request=adapter)
     call.model = body.model or call.model  # the name the client used, of those served
     tokenizer = state.async_llm.engine.tokenizer
     if body.stream:
@@ -436,7 +484,7 @@ def _prompt_logprobs(body, out, tokenizer):
 
 
 async def _chat_completions(state: ServerState, request: Request, body: protocol.ChatCompletionRequest):
-    _check_model(state, body.model)
+    adapter = _check_model(state, body.model)
     async_llm = state.ready()
     protocol.check_prompt_logprobs(body)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
@@ -448,7 +496,8 @@ async def _chat_completions(state: ServerState, request: Request, body: protocol
     params = protocol.sampling_params(body, max_tokens, max(top, 1) if body.logprobs else None,
                                       async_llm.engine.max_model_len, state.sampling_defaults)
     params, renames = _with_tool_constraint(params, tools, body)
-    call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens, renames=renames)
+    call = _start(state, [prompt], params, body.n, "chatcmpl", max_tokens_field, max_tokens, renames=renames,
+                  lora_request=adapter)
     call.model = body.model or call.model
     tokenizer = async_llm.engine.tokenizer
     top = top if body.logprobs else None

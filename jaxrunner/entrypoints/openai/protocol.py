@@ -197,6 +197,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter: a PEFT adapter directory, served under ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+
+
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body; the error names the first bad field."""
     if not isinstance(body, dict):
