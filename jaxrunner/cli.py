@@ -72,6 +72,38 @@ def _engine_options(args) -> dict:
     return options
 
 
+def _lora_options(args) -> dict:
+    """``serve``'s LoRA flags as engine options (those not given keep the engine's defaults)."""
+    options = {name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras")
+               if getattr(args, name) is not None}
+    if args.enable_lora:
+        options["enable_lora"] = True
+    elif args.lora_modules:
+        raise ValueError("--lora-modules: the adapters need --enable-lora")
+    return options
+
+
+def _lora_module(text: str) -> tuple:
+    """One --lora-modules item, as vLLM reads it: ``name=path``, or a JSON object with ``name``,
+    ``path`` and optionally ``base_model_name``; (name, path, base_model_name or None)."""
+    if not text.lstrip().startswith("{"):
+        name, sep, path = text.partition("=")
+        if not (sep and name and path):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected name=path or a JSON object "
+                                             '{"name": ..., "path": ...}')
+        return name, path, None
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({err.msg})") from None
+    if not isinstance(item, dict) or set(item) - {"name", "path", "base_model_name"} \
+            or not all(isinstance(item.get(key), str) and item[key] for key in ("name", "path")) \
+            or not isinstance(item.get("base_model_name", ""), str):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object with the strings \"name\" and "
+                                         '"path", and optionally "base_model_name"')
+    return item["name"], item["path"], item.get("base_model_name")
+
+
 def _narrowed_options(args, most_seqs: int) -> dict:
     """The engine flags, each checked as given, then ``max_num_seqs`` narrowed to ``most_seqs``: a
     command that knows how many sequences it will ever run compiles no wider bucket."""
@@ -257,11 +289,11 @@ def cmd_info(args) -> int:
 
 def cmd_serve(args) -> int:
     # lazy: FastAPI and uvicorn load only for `serve`
-    from jaxrunner.entrypoints.openai.api_server import ServerConfig
+    from jaxrunner.entrypoints.openai.api_server import LoRAModulePath, ServerConfig
     from jaxrunner.entrypoints.openai.server_process import run_server
 
     model = args.model_tag or args.model
-    options = _engine_options(args)
+    options = {**_engine_options(args), **_lora_options(args)}
     EngineConfig(model=model, **options)  # every engine option is checked before the model loads
     resolve_model(model)  # and the model exists
     if args.max_queue < 0:
@@ -284,7 +316,8 @@ def cmd_serve(args) -> int:
                           allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                           uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests,
                           chat_template=_chat_template(args.chat_template),
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                          lora_modules=tuple(LoRAModulePath(*item) for item in args.lora_modules or ()))
     return run_server(config, options)
 
 
@@ -364,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help='serve tool_choice "auto": calls are read from the output by --tool-call-parser')
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "qwen3_xml"],
                        help="the format the model writes tool calls in")
+    serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: a request's model names "
+                       "one (--lora-modules, or POST /v1/load_lora_adapter)")
+    serve.add_argument("--max-loras", type=int, default=None, help="adapters on the device at once (default 1)")
+    serve.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default 16)")
+    serve.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept in host memory (default: --max-loras)")
+    serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                       help='adapters served from the start, each name=path or JSON {"name": ..., "path": ...}')
     serve.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get "
                        "after SIGINT/SIGTERM; those still running then end with an error event")
