@@ -114,6 +114,8 @@ def moe(model_dirs: str) -> dict:
 def lora(spec: str) -> dict:
     """LoRA adapters (JSON: the base directory and {name: adapter directory}) in one batch at TP 1
     and TP 2: the same tokens, the slot factors split as their projections are."""
+    import jax
+
     from jaxrunner import LLM, LoRARequest, SamplingParams
 
     spec = json.loads(spec)
@@ -128,7 +130,7 @@ def lora(spec: str) -> dict:
                                    use_tqdm=False, lora_request=requests)
         slots = llm.engine.executor.runner.lora_slots[0]
         results[f"tp{tp}"] = {"tokens": token_ids(outputs), "serving_compiles": len(compiles),
-                              "split": {f"{name}/{part}": list(slots[name][part].sharding.spec)
+                              "split": {f"{name}/{part}": list(jax.tree.leaves(slots[name][part])[0].sharding.spec)
                                         for name in ("wqkv", "wo") for part in ("a", "b")}}
     return results
 

@@ -38,7 +38,8 @@ def linear_f32(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
     A weight with LoRA slots (``models.lora.LoraWeight``) adds each row's adapter delta.
     """
     if isinstance(w, lora.LoraWeight):
-        return linear_f32(x, w.base, matmuls) + w.delta(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        delta = w.delta(x.reshape(-1, x.shape[-1]), lambda rows, factor: matmul_f32_acc(rows, factor, matmuls))
+        return linear_f32(x, w.base, matmuls) + delta.reshape(*x.shape[:-1], -1)
     if quant.is_weight_only(w):
         return weight_only_matmul(x, w, matmuls)
     if isinstance(w, dict):

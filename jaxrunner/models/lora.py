@@ -1,26 +1,28 @@
 """LoRA adapters in the forward: fixed-shape slots beside the base weights, one slot per token row.
 
-Up to ``max_loras`` adapters live on the device at once. Each targeted projection of each layer
-holds every slot's low-rank factors stacked side by side, rank padded to ``max_lora_rank``:
+Up to ``max_loras`` (S) adapters live on the device at once. Each targeted projection of each
+layer holds every slot's low-rank factors stacked, rank padded to ``max_lora_rank`` (R):
 
-- ``a`` [in, S * P * R]: slot ``s``'s columns are ``s * P * R .. (s + 1) * P * R``;
-- ``b`` [S * P * R, out]: the matching rows, the adapter's scaling (``alpha / r``) folded in.
+- ``a`` [in, S * P * R]: slot ``s``'s columns are ``s * P * R .. (s + 1) * P * R``, part by part;
+- ``b``: one [S * R, out_p] per part, slot ``s``'s rows ``s * R .. (s + 1) * R``, with the
+  adapter's scaling (``alpha / r``) folded in.
 
 ``P`` is the number of HF projections fused into ours (3 for ``wqkv``: q, k, v; 2 for
-``w_gate_up``; 1 for ``wo`` and ``w_down``). Each part's rows of ``b`` are non-zero only in its own
-columns of the fused layout (``models.params``), so one product serves the fused weight, and
-padded ranks and absent targets are zeros.
+``w_gate_up``: gate, up; 1 for ``wo`` and ``w_down``). The parts' deltas are placed into the fused
+projection's layout (``models.params``: q/k/v grouped by KV head, gate and up interleaved) after
+their products, so no zero block of a fused ``b`` is ever multiplied. Padded ranks and modules an
+adapter does not target are zeros.
 
 A step's rows each name a slot (``lora_slots`` [T], 1..S; 0: no adapter), so one batch mixes
-adapters: ``x @ a`` gives every slot's [T, S * P * R] projections, a one-hot mask keeps each row's
-own slot, and ``@ b`` finishes the delta. Loading an adapter writes its slot (:func:`write`,
-compiled at warm-up), so nothing compiles while serving; the shapes never change.
+adapters: ``x @ a`` gives every slot's projections, a one-hot mask keeps each row's own slot, and
+``@ b`` per part finishes the delta. Loading an adapter writes its slot (:func:`write`, compiled
+at warm-up), so nothing compiles while serving; the shapes never change.
 
 The forward does not know about slots: :func:`attach` puts each layer's slot weights beside its
 params, and :func:`bind` (in the jitted step) replaces each targeted weight with a
 :class:`LoraWeight` carrying the step's row mask, which ``models.linear.linear_f32`` multiplies as
-base plus delta. A decoder whose last layer runs on the sampled rows only narrows the mask with
-:func:`take_rows`.
+base plus delta (its products through the same kernels as the base's). A decoder whose last layer
+runs on the sampled rows only narrows the mask with :func:`take_rows`.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner.models.config import ModelConfig
 from jaxrunner.parallel.sharding import LORA_KEY
 
 # Our fused projections and the HF projections each is made of, in column order.
@@ -39,7 +42,14 @@ PROJECTIONS = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
 SLOTS_KEY = LORA_KEY  # a layer's slot weights, under its params when attached
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b", "mask"), meta_fields=())
+def part_sizes(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Output width of each HF projection fused into ``name``."""
+    return {"wqkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "wo": (cfg.hidden_size,),
+            "w_gate_up": (cfg.intermediate_size, cfg.intermediate_size), "w_down": (cfg.hidden_size,)}[name]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b", "mask"),
+                   meta_fields=("kv_heads",))
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
     """A projection's base weight (float or quantized) with the slots' factors and the step's rows'
@@ -47,19 +57,29 @@ class LoraWeight:
 
     base: object
     a: jax.Array     # [in, S * P * R]
-    b: jax.Array     # [S * P * R, out]
+    b: tuple         # per part [S * R, out_p]
     mask: jax.Array  # [T, S] in the activations' dtype: row t uses slot s (none: all zeros)
+    kv_heads: int    # q/k/v (3 parts) are grouped by this many KV heads
 
-    def delta(self, x: jax.Array) -> jax.Array:
-        """The adapters' float32 contribution for ``x`` [T, in]."""
-        slots = self.mask.shape[-1]
-        xa = jax.lax.dot_general(x, self.a.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-        rank = xa.shape[-1] // slots
-        keep = jnp.repeat(self.mask.astype(jnp.float32), rank, axis=-1)
-        xa = (xa * keep).astype(x.dtype)
-        return jax.lax.dot_general(xa, self.b.astype(x.dtype), (((xa.ndim - 1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+    def delta(self, x: jax.Array, matmul) -> jax.Array:
+        """The adapters' float32 contribution [T, out] for ``x`` [T, in]; ``matmul(x, w)`` is the
+        float32-accumulating product the base weight's uses."""
+        rows, slots, parts = x.shape[0], self.mask.shape[-1], len(self.b)
+        xa = matmul(x, self.a.astype(x.dtype)).reshape(rows, slots, parts, -1)
+        xa = (xa * self.mask.astype(jnp.float32)[:, :, None, None]).astype(x.dtype)
+        deltas = [matmul(xa[:, :, p].reshape(rows, -1), b.astype(x.dtype)) for p, b in enumerate(self.b)]
+        return _fused(deltas, self.kv_heads)
+
+
+def _fused(deltas: list, kv_heads: int) -> jax.Array:
+    """The parts' deltas in the fused projection's column layout (``models.params``)."""
+    rows = deltas[0].shape[0]
+    if len(deltas) == 1:
+        return deltas[0]
+    if len(deltas) == 2:  # gate and up, interleaved column by column
+        return jnp.stack(deltas, axis=-1).reshape(rows, -1)
+    q, k, v = (d.reshape(rows, kv_heads, -1) for d in deltas)  # each KV head's queries, then k, then v
+    return jnp.concatenate([q, k, v], axis=-1).reshape(rows, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +89,9 @@ class LoraSpec:
     max_loras: int  # slots (a step's rows name 1..max_loras; 0 is no adapter)
     max_rank: int   # every adapter's rank is padded to this
 
-    def empty_slots(self, layer_shapes: list[dict], dtype) -> list[dict]:
+    def empty_slots(self, cfg: ModelConfig, layer_shapes: list[dict], dtype) -> list[dict]:
         """Zero slots for layers of ``layer_shapes`` (``models.params.param_shapes(cfg)["layers"]``)."""
-        return empty_slots(layer_shapes, self.max_loras, self.max_rank, dtype)
+        return empty_slots(cfg, layer_shapes, self.max_loras, self.max_rank, dtype)
 
 
 def targets(layer: dict) -> tuple[str, ...]:
@@ -79,21 +99,21 @@ def targets(layer: dict) -> tuple[str, ...]:
     return tuple(name for name in PROJECTIONS if name in layer)
 
 
-def slot_shapes(layer_shapes: dict, max_loras: int, max_rank: int) -> dict:
-    """``{projection: {"a": shape, "b": shape}}`` of one layer's slots, from its leaf shapes
-    ([in, out] per projection)."""
+def slot_shapes(cfg: ModelConfig, layer_shapes: dict, slots: int, rank: int) -> dict:
+    """``{projection: {"a": shape, "b": [shape per part]}}`` of ``slots`` slots of one layer (one
+    slot: an adapter's own factors), from its leaf shapes ([in, out] per projection)."""
     shapes = {}
     for name in targets(layer_shapes):
-        fan_in, fan_out = layer_shapes[name]
-        width = max_loras * len(PROJECTIONS[name]) * max_rank
-        shapes[name] = {"a": (fan_in, width), "b": (width, fan_out)}
+        sizes = part_sizes(name, cfg)
+        shapes[name] = {"a": (layer_shapes[name][0], slots * len(sizes) * rank),
+                        "b": [(slots * rank, size) for size in sizes]}
     return shapes
 
 
-def empty_slots(layer_shapes: list[dict], max_loras: int, max_rank: int, dtype) -> list[dict]:
+def empty_slots(cfg: ModelConfig, layer_shapes: list[dict], max_loras: int, max_rank: int, dtype) -> list[dict]:
     """Zero slots for every layer (host arrays), for the runner to place."""
-    return [{name: {part: np.zeros(shape, dtype) for part, shape in parts.items()}
-             for name, parts in slot_shapes(shapes, max_loras, max_rank).items()} for shapes in layer_shapes]
+    return [{name: {"a": np.zeros(parts["a"], dtype), "b": [np.zeros(shape, dtype) for shape in parts["b"]]}
+             for name, parts in slot_shapes(cfg, shapes, max_loras, max_rank).items()} for shapes in layer_shapes]
 
 
 def attach(params: dict, slots: list[dict]) -> dict:
@@ -101,16 +121,16 @@ def attach(params: dict, slots: list[dict]) -> dict:
     return {**params, "layers": [{**layer, SLOTS_KEY: slot} for layer, slot in zip(params["layers"], slots)]}
 
 
-def bind(params: dict, lora_slots: jax.Array, max_loras: int, dtype) -> dict:
+def bind(params: dict, lora_slots: jax.Array, max_loras: int, dtype, kv_heads: int) -> dict:
     """Attached ``params`` as the forward reads them: each targeted weight a :class:`LoraWeight`
     whose mask selects the slot of every token row (``lora_slots`` [T], 0 for none, up to
-    ``max_loras``), in the activations' ``dtype``."""
+    ``max_loras``), in the activations' ``dtype``; ``kv_heads``: the served model's."""
     mask = (lora_slots[:, None] == jnp.arange(1, max_loras + 1)[None, :]).astype(dtype)
     layers = []
     for layer in params["layers"]:
         layer = dict(layer)
         for name, factors in layer.pop(SLOTS_KEY).items():
-            layer[name] = LoraWeight(layer[name], factors["a"], factors["b"], mask)
+            layer[name] = LoraWeight(layer[name], factors["a"], tuple(factors["b"]), mask, kv_heads)
         layers.append(layer)
     return {**params, "layers": layers}
 
@@ -122,13 +142,16 @@ def take_rows(layer: dict, rows: jax.Array) -> dict:
 
 
 def write(slots: list[dict], slot: jax.Array, adapter: list[dict]) -> list[dict]:
-    """``slots`` with slot ``slot`` (1-based) holding ``adapter`` (per layer and projection, ``a``
-    [in, P * R] and ``b`` [P * R, out], the slots' dtype)."""
+    """``slots`` with slot ``slot`` (1-based) holding ``adapter`` (per layer and projection, one
+    slot's factors: :func:`slot_shapes` of one slot)."""
     def put(factors, new):
-        width = new["a"].shape[1]
-        start = (slot - 1) * width
-        return {"a": jax.lax.dynamic_update_slice(factors["a"], new["a"].astype(factors["a"].dtype), (0, start)),
-                "b": jax.lax.dynamic_update_slice(factors["b"], new["b"].astype(factors["b"].dtype), (start, 0))}
+        def place(stack, part, axis):
+            start = [0, 0]
+            start[axis] = (slot - 1) * part.shape[axis]
+            return jax.lax.dynamic_update_slice(stack, part.astype(stack.dtype), tuple(start))
+
+        return {"a": place(factors["a"], new["a"], 1),
+                "b": [place(stack, part, 0) for stack, part in zip(factors["b"], new["b"])]}
 
     return [{name: put(factors, layer_adapter[name]) for name, factors in layer.items()}
             for layer, layer_adapter in zip(slots, adapter)]

@@ -51,7 +51,8 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     names its slot in ``batch.lora_slots``.
     """
     if max_loras:
-        params = lora.bind(params, batch.lora_slots, max_loras, params["final_norm"].dtype)
+        params = lora.bind(params, batch.lora_slots, max_loras, params["final_norm"].dtype,
+                           architecture.cfg.num_kv_heads)
     fed = jnp.take(feed, jnp.maximum(batch.feed_rows, 0), axis=0)
     token_ids = jnp.where(batch.feed_rows >= 0, fed, batch.token_ids)
     targets = batch.prompt_targets
@@ -201,7 +202,7 @@ class ModelRunner:
         param_shardings = sharding.param_shardings(params, self.mesh, rules)
         slots = slot_shardings = None
         if lora_spec is not None:
-            slots = lora_spec.empty_slots(param_shapes(cfg)["layers"], params["final_norm"].dtype)
+            slots = lora_spec.empty_slots(cfg, param_shapes(cfg)["layers"], params["final_norm"].dtype)
             attached = sharding.param_shardings(lora.attach(params, slots), self.mesh, rules)
             slot_shardings = [layer[lora.SLOTS_KEY] for layer in attached["layers"]]
         pool = sharding.kv_pool_sharding(self.mesh)

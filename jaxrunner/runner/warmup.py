@@ -221,7 +221,7 @@ def fill_lora_slots(runner, key: jax.Array | None) -> None:
 
     for slot in range(1, slots + 1):
         adapter = [{name: {"a": values((factors["a"].shape[0], factors["a"].shape[1] // slots)),
-                           "b": values((factors["b"].shape[0] // slots, factors["b"].shape[1]))}
+                           "b": [values((part.shape[0] // slots, part.shape[1])) for part in factors["b"]]}
                     for name, factors in layer.items()} for layer in runner.lora_slots]
         runner.write_lora_slot(slot, adapter)
 

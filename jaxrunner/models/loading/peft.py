@@ -5,11 +5,10 @@ and ``adapter_model.safetensors`` with, per targeted projection, ``...layers.{i}
 [r, in] and ``lora_B.weight`` [out, r] (torch layout). The adapter's delta is
 ``scaling * x @ A.T @ B.T`` with ``scaling = alpha / r`` (``alpha / sqrt(r)`` under rsLoRA).
 
-Laid out for a slot, each of our fused projections gets ``a`` [in, P * R] (its parts' A side by
-side, ranks zero-padded to the slots' ``R``) and ``b`` [P * R, out] (each part's B, scaled, in that
-part's columns of the fused layout of ``models.params``: q/k/v grouped by KV head, gate and up
-interleaved), so the slot's product is the sum of the parts' deltas. Modules the adapter does not
-target stay zero. The same layout serves adapters given as arrays in memory (``LLM.add_lora``).
+Laid out for a slot (``models.lora``), each of our fused projections gets ``a`` [in, P * R] (its
+parts' A side by side, ranks zero-padded to the slots' ``R``) and one ``b`` [R, out_p] per part
+(its B, scaled, transposed). Modules the adapter does not target stay zero. The same layout
+serves adapters given as arrays in memory (``LLM.add_lora``).
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.lora import PROJECTIONS
-from jaxrunner.models.params import group_qkv
+from jaxrunner.models.lora import PROJECTIONS, part_sizes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -52,7 +50,8 @@ class Adapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(part.nbytes for layer in self.layers for factors in layer.values() for part in factors.values())
+        return sum(factors["a"].nbytes + sum(b.nbytes for b in factors["b"])
+                   for layer in self.layers for factors in layer.values())
 
 
 def read_peft_adapter(path: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -148,33 +147,19 @@ def _module_out(module: str, cfg: ModelConfig) -> int:
 
 
 def _layer_slot(modules: dict, cfg: ModelConfig, shapes: dict, max_rank: int, scaling: float) -> dict:
-    """One layer's {projection: {"a", "b"}}, zeros where a module is not targeted."""
+    """One layer's {projection: {"a": [in, P * R], "b": [[R, out_p] per part]}}, zeros where a
+    module is not targeted and past the adapter's rank."""
     slot = {}
     for projection, parts in PROJECTIONS.items():
         if projection not in shapes:
             continue
-        fan_in, fan_out = shapes[projection]
-        a = np.zeros((fan_in, len(parts) * max_rank), np.float32)
-        b = np.zeros((len(parts) * max_rank, fan_out), np.float32)
+        a = np.zeros((shapes[projection][0], len(parts) * max_rank), np.float32)
+        b = [np.zeros((max_rank, size), np.float32) for size in part_sizes(projection, cfg)]
         for part, module in enumerate(parts):
             if module in modules:
                 lora_a, lora_b = modules[module]
-                rows = slice(part * max_rank, part * max_rank + lora_a.shape[0])
-                a[:, rows] = lora_a.T
-                b[rows] = _in_fused_columns(projection, part, lora_b * scaling, cfg).T
+                rank = lora_a.shape[0]
+                a[:, part * max_rank:part * max_rank + rank] = lora_a.T
+                b[part][:rank] = (lora_b * scaling).T
         slot[projection] = {"a": a, "b": b}
     return slot
-
-
-def _in_fused_columns(projection: str, part: int, lora_b: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """A part's B [out_part, r] placed in its rows of the fused projection's torch-layout output
-    [out, r] (zeros elsewhere)."""
-    if projection == "wqkv":
-        pieces = [np.zeros((size, lora_b.shape[1]), np.float32) for size in (cfg.q_size, cfg.kv_size, cfg.kv_size)]
-        pieces[part] = lora_b
-        return group_qkv(*pieces, cfg)
-    if projection == "w_gate_up":
-        pair = [np.zeros_like(lora_b), np.zeros_like(lora_b)]
-        pair[part] = lora_b
-        return np.stack(pair, axis=1).reshape(-1, lora_b.shape[1])
-    return lora_b
