@@ -48,7 +48,7 @@ def part_sizes(name: str, cfg: ModelConfig) -> tuple[int, ...]:
             "w_gate_up": (cfg.intermediate_size, cfg.intermediate_size), "w_down": (cfg.hidden_size,)}[name]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b", "mask"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b", "mask", "active"),
                    meta_fields=("kv_heads",))
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
@@ -58,17 +58,23 @@ class LoraWeight:
     base: object
     a: jax.Array     # [in, S * P * R]
     b: tuple         # per part [S * R, out_p]
-    mask: jax.Array  # [T, S] in the activations' dtype: row t uses slot s (none: all zeros)
-    kv_heads: int    # q/k/v (3 parts) are grouped by this many KV heads
+    mask: jax.Array    # [T, S] in the activations' dtype: row t uses slot s (none: all zeros)
+    active: jax.Array  # [] bool: some row of the step uses an adapter
+    kv_heads: int      # q/k/v (3 parts) are grouped by this many KV heads
 
     def delta(self, x: jax.Array, matmul) -> jax.Array:
         """The adapters' float32 contribution [T, out] for ``x`` [T, in]; ``matmul(x, w)`` is the
-        float32-accumulating product the base weight's uses."""
+        float32-accumulating product the base weight's uses. Skipped in a step with no adapter."""
         rows, slots, parts = x.shape[0], self.mask.shape[-1], len(self.b)
-        xa = matmul(x, self.a.astype(x.dtype)).reshape(rows, slots, parts, -1)
-        xa = (xa * self.mask.astype(jnp.float32)[:, :, None, None]).astype(x.dtype)
-        deltas = [matmul(xa[:, :, p].reshape(rows, -1), b.astype(x.dtype)) for p, b in enumerate(self.b)]
-        return _fused(deltas, self.kv_heads)
+
+        def products(x):
+            xa = matmul(x, self.a.astype(x.dtype)).reshape(rows, slots, parts, -1)
+            xa = (xa * self.mask.astype(jnp.float32)[:, :, None, None]).astype(x.dtype)
+            deltas = [matmul(xa[:, :, p].reshape(rows, -1), b.astype(x.dtype)) for p, b in enumerate(self.b)]
+            return _fused(deltas, self.kv_heads)
+
+        width = sum(b.shape[1] for b in self.b)
+        return jax.lax.cond(self.active, products, lambda x: jnp.zeros((rows, width), jnp.float32), x)
 
 
 def _fused(deltas: list, kv_heads: int) -> jax.Array:
@@ -126,11 +132,12 @@ def bind(params: dict, lora_slots: jax.Array, max_loras: int, dtype, kv_heads: i
     whose mask selects the slot of every token row (``lora_slots`` [T], 0 for none, up to
     ``max_loras``), in the activations' ``dtype``; ``kv_heads``: the served model's."""
     mask = (lora_slots[:, None] == jnp.arange(1, max_loras + 1)[None, :]).astype(dtype)
+    active = jnp.any(lora_slots > 0)
     layers = []
     for layer in params["layers"]:
         layer = dict(layer)
         for name, factors in layer.pop(SLOTS_KEY).items():
-            layer[name] = LoraWeight(layer[name], factors["a"], tuple(factors["b"]), mask, kv_heads)
+            layer[name] = LoraWeight(layer[name], factors["a"], tuple(factors["b"]), mask, active, kv_heads)
         layers.append(layer)
     return {**params, "layers": layers}
 
