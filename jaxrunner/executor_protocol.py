@@ -200,7 +200,8 @@ class Executor(Protocol):
 
     def load_adapter(self, name: str, source: Any) -> Any:
         """A LoRA adapter read and checked against the model, laid out for a slot (opaque to the
-        engine): ``source`` a PEFT directory, or ``(tensors, rank, alpha, use_rslora)`` in memory.
+        engine): ``source`` a PEFT directory, ``(tensors, rank, alpha, use_rslora)`` of PEFT-named
+        arrays, or a list of one slot's factors per layer (``models.lora.new_adapter``).
         ``ValueError`` naming what does not fit."""
 
     def load_lora_slot(self, slot: int, adapter: Any) -> None:

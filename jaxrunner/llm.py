@@ -206,9 +206,11 @@ class LLM:
     def add_lora(self, lora_request: LoRARequest, tensors=None, *, rank: int | None = None,
                  alpha: float | None = None, use_rslora: bool = False) -> None:
         """Load a LoRA adapter before requests name it: from ``lora_request.lora_path`` (a PEFT
-        directory), or from ``tensors`` in memory, PEFT-named arrays (numpy or JAX:
+        directory), or from ``tensors`` in memory: PEFT-named arrays (numpy or JAX:
         ``...layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]) of
-        ``rank`` scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``)."""
+        ``rank`` scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``), or the
+        list of per-layer factors that ``jaxrunner.models.lora.new_adapter`` makes and
+        ``jaxrunner.rollouts`` trains (no rank or alpha: the scaling is in ``b``)."""
         self.engine.add_lora(lora_request, None if tensors is None else _adapter_source(tensors, rank, alpha,
                                                                                          use_rslora))
 
@@ -465,9 +467,13 @@ def speculative_config_options(config, options: dict) -> dict:
 
 
 def _adapter_source(tensors, rank, alpha, use_rslora: bool) -> tuple:
-    """In-memory adapter tensors as the executor takes them: (host arrays, rank, alpha, rsLoRA)."""
+    """In-memory adapter tensors as the executor takes them: (host arrays, rank, alpha, rsLoRA), or
+    a list of one slot's factors per layer as it is."""
+    if isinstance(tensors, list):
+        return tensors
     if not isinstance(tensors, dict):
-        raise ValueError(f"tensors: expected a dict of PEFT-named arrays, got {type(tensors).__name__}")
+        raise ValueError(f"tensors: expected a dict of PEFT-named arrays or a list of per-layer factors "
+                         f"(models.lora.new_adapter), got {type(tensors).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank: invalid value {rank!r}; valid: the adapter's rank, an integer >= 1")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):

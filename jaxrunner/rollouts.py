@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.models import registry
+from jaxrunner.models import lora, registry
 from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.config import ModelConfig
 
@@ -71,8 +71,9 @@ def pad_rollouts(outputs, length: int | None = None) -> Rollouts:
                     jnp.asarray(logprobs) if has_logprobs else None)
 
 
-def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """[B, L] float32: log p(tokens[b, t] | tokens[b, :t]) under ``params``; 0 at t = 0.
+def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array, adapter=None) -> jax.Array:
+    """[B, L] float32: log p(tokens[b, t] | tokens[b, :t]) under ``params`` (with a LoRA
+    ``adapter`` in one slot's layout, ``models.lora.new_adapter``, when given); 0 at t = 0.
 
     The rows run as one packed batch through the model's forward with dense causal attention
     within each row (no KV cache), so it is differentiable in ``params``. Padding at the end of a
@@ -82,6 +83,8 @@ def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array) -> jax.Arr
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
     segments = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)
     architecture = registry.architecture_for(config)
+    if adapter is not None:
+        params = lora.with_adapter(params, adapter, flat.shape[0], config.num_kv_heads)
     hidden, _ = architecture.forward(params, flat, positions, [None] * config.num_layers, segments, DenseAttention())
     logits = architecture.compute_logits(params, hidden).reshape(batch, length, -1)
     logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -89,7 +92,8 @@ def sequence_logprobs(params, config: ModelConfig, tokens: jax.Array) -> jax.Arr
     return jnp.pad(taken, ((0, 0), (1, 0)))
 
 
-def completion_logprob_sums(params, config: ModelConfig, rollouts: Rollouts) -> jax.Array:
-    """[B]: each completion's total log-probability under ``params`` (the policy-gradient term)."""
-    per_token = sequence_logprobs(params, config, rollouts.tokens)
+def completion_logprob_sums(params, config: ModelConfig, rollouts: Rollouts, adapter=None) -> jax.Array:
+    """[B]: each completion's total log-probability under ``params`` (and ``adapter``: see
+    ``sequence_logprobs``): the policy-gradient term."""
+    per_token = sequence_logprobs(params, config, rollouts.tokens, adapter)
     return jnp.sum(jnp.where(rollouts.completion_mask, per_token, 0.0), axis=-1)

@@ -223,3 +223,33 @@ def test_tensor_parallel_adapters_split_with_their_projections(llama):
     assert tokens[:3] != tokens[3:6] and tokens[3:6] != tokens[6:]  # base, then each adapter's rows
     assert result["tp2"]["split"] == {"wqkv/a": [], "wqkv/b": [None, "model"], "wo/a": ["model", None], "wo/b": []}
     assert result["tp1"]["serving_compiles"] == result["tp2"]["serving_compiles"] == 0
+
+
+def test_an_adapter_trained_in_jax_is_served_as_the_training_forward_computes_it(llm):
+    """``new_adapter``'s layout (rank 4, padded to the slots' 8) through ``add_lora``: each served
+    token's logprob is what ``rollouts.sequence_logprobs`` computes with the adapter, which has
+    gradients for every factor."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrunner.models import lora
+    from jaxrunner.models.params import param_shapes
+    from jaxrunner.rollouts import sequence_logprobs
+
+    cfg = llm.engine.model.config
+    adapter = lora.new_adapter(cfg, param_shapes(cfg)["layers"], 4, jax.random.key(0))
+    adapter = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), adapter)
+    request = LoRARequest("trained", 50)
+    llm.add_lora(request, adapter)
+    prompt = PROMPTS[0]
+    tokens = token_ids(llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False, lora_request=request))[0]
+    sequence = jnp.asarray([prompt + tokens])
+    per_token = sequence_logprobs(llm.params, cfg, sequence, adapter)[0, len(prompt):]
+    outputs = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                        ignore_eos=True, logprobs=0),
+                           use_tqdm=False, lora_request=request)[0].outputs[0]
+    served = [entry[token].logprob for token, entry in zip(outputs.token_ids, outputs.logprobs)]
+    np.testing.assert_allclose(np.asarray(per_token), served, atol=2e-4)
+    grads = jax.grad(lambda a: sequence_logprobs(llm.params, cfg, sequence, a).sum())(adapter)
+    assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
+    assert llm.remove_lora("trained")

@@ -122,6 +122,28 @@ def empty_slots(cfg: ModelConfig, layer_shapes: list[dict], max_loras: int, max_
              for name, parts in slot_shapes(cfg, shapes, max_loras, max_rank).items()} for shapes in layer_shapes]
 
 
+def new_adapter(cfg: ModelConfig, layer_shapes: list[dict], rank: int, key: jax.Array, dtype=jnp.float32) -> list:
+    """A fresh adapter of ``rank`` on every projection, in one slot's layout (what ``LLM.add_lora``
+    and ``update_lora`` take, and what :func:`with_adapter` trains): ``a`` random (variance
+    ``1 / in``), ``b`` zero, so it starts as the base model, as PEFT's initialisation does."""
+    keys = iter(jax.random.split(key, len(layer_shapes) * len(PROJECTIONS)))
+    adapter = []
+    for shapes in layer_shapes:
+        layer = {}
+        for name, parts in slot_shapes(cfg, shapes, 1, rank).items():
+            fan_in = parts["a"][0]
+            layer[name] = {"a": (jax.random.normal(next(keys), parts["a"]) / np.sqrt(fan_in)).astype(dtype),
+                           "b": [jnp.zeros(shape, dtype) for shape in parts["b"]]}
+        adapter.append(layer)
+    return adapter
+
+
+def with_adapter(params: dict, adapter: list, num_rows: int, kv_heads: int) -> dict:
+    """``params`` as the forward reads them with ``adapter`` (one slot's layout) on all of a
+    step's ``num_rows`` rows: differentiable in both, for training an adapter in JAX."""
+    return bind(attach(params, adapter), jnp.ones(num_rows, jnp.int32), 1, params["final_norm"].dtype, kv_heads)
+
+
 def attach(params: dict, slots: list[dict]) -> dict:
     """``params`` with each layer's slot weights under :data:`SLOTS_KEY` (no copy: new dicts only)."""
     return {**params, "layers": [{**layer, SLOTS_KEY: slot} for layer, slot in zip(params["layers"], slots)]}

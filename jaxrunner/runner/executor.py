@@ -148,6 +148,8 @@ class Executor:
         layer_shapes = param_shapes(cfg)["layers"]
         if isinstance(source, (str, os.PathLike)):
             return peft.adapter_from_peft(name, source, cfg, layer_shapes, max_rank)
+        if isinstance(source, list):  # one slot's layout (models.lora.new_adapter)
+            return peft.adapter_from_layers(name, source, cfg, layer_shapes, max_rank)
         tensors, rank, alpha, use_rslora = source
         return peft.adapter_from_tensors(name, tensors, cfg, layer_shapes, max_rank, rank=rank, alpha=alpha,
                                          use_rslora=use_rslora)

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from jaxrunner.models.config import ModelConfig
-from jaxrunner.models.lora import PROJECTIONS, part_sizes
+from jaxrunner.models.lora import PROJECTIONS, part_sizes, slot_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -100,6 +100,42 @@ def adapter_from_tensors(name: str, tensors: Mapping[str, np.ndarray], cfg: Mode
     layers = [_layer_slot(factors.get(i, {}), cfg, shapes, max_rank, scaling) for i, shapes in enumerate(layer_shapes)]
     modules = tuple(sorted({module for per_layer in factors.values() for module in per_layer}))
     return Adapter(name=name, rank=rank, modules=modules, layers=layers)
+
+
+def adapter_from_layers(name: str, layers, cfg: ModelConfig, layer_shapes: list[dict], max_rank: int) -> Adapter:
+    """An adapter given in one slot's layout (``models.lora.new_adapter``: per layer and projection
+    ``a`` [in, P * r], ``b`` [[r, out_p] per part], scaling folded in; JAX or numpy arrays), its
+    rank ``r`` padded to ``max_rank``."""
+    source = f"LoRA adapter {name!r}"
+    if not isinstance(layers, (list, tuple)) or len(layers) != len(layer_shapes):
+        raise AdapterError(f"{source}: expected one dict of projections per layer ({len(layer_shapes)} layers)")
+    rank = None
+    padded = []
+    for index, (layer, shapes) in enumerate(zip(layers, layer_shapes)):
+        expected = slot_shapes(cfg, shapes, 1, 1)
+        if not isinstance(layer, dict) or set(layer) != set(expected):
+            raise AdapterError(f"{source}: layer {index} must hold the projections {sorted(expected)}")
+        padded.append({})
+        for projection, factors in layer.items():
+            a, b = np.asarray(factors["a"], np.float32), [np.asarray(part, np.float32) for part in factors["b"]]
+            parts = len(expected[projection]["b"])
+            rank = a.shape[1] // parts if rank is None else rank
+            want = slot_shapes(cfg, shapes, 1, rank)[projection]
+            if a.shape != want["a"] or [part.shape for part in b] != want["b"]:
+                raise AdapterError(f"{source}: layer {index} {projection}: a {a.shape}, b {[p.shape for p in b]}; "
+                                   f"expected {want['a']} and {want['b']} for rank {rank}")
+            if rank > max_rank:
+                raise AdapterError(f"{source}: rank {rank} exceeds max_lora_rank={max_rank}; raise max_lora_rank")
+            padded[index][projection] = _padded(a, b, parts, rank, max_rank)
+    return Adapter(name=name, rank=rank, modules=tuple(m for p in PROJECTIONS for m in PROJECTIONS[p]), layers=padded)
+
+
+def _padded(a: np.ndarray, b: list, parts: int, rank: int, max_rank: int) -> dict:
+    """One projection's factors with each part's rank zero-padded to ``max_rank``."""
+    wide = np.zeros((a.shape[0], parts * max_rank), np.float32)
+    for part in range(parts):
+        wide[:, part * max_rank:part * max_rank + rank] = a[:, part * rank:(part + 1) * rank]
+    return {"a": wide, "b": [np.pad(part, ((0, max_rank - rank), (0, 0))) for part in b]}
 
 
 def _factors_by_module(tensors, cfg: ModelConfig, layer_shapes: list[dict], rank: int, source: str) -> dict:
