@@ -95,6 +95,13 @@ class LoraSpec:
     max_loras: int  # slots (a step's rows name 1..max_loras; 0 is no adapter)
     max_rank: int   # every adapter's rank is padded to this
 
+    def nbytes(self, cfg: ModelConfig, layer_shapes: list[dict], dtype) -> int:
+        """What the slots of layers of ``layer_shapes`` hold, in bytes."""
+        shapes = [part for layer in layer_shapes for parts in slot_shapes(cfg, layer, self.max_loras,
+                                                                          self.max_rank).values()
+                  for part in [parts["a"], *parts["b"]]]
+        return sum(int(np.prod(shape)) for shape in shapes) * np.dtype(dtype).itemsize
+
     def empty_slots(self, cfg: ModelConfig, layer_shapes: list[dict], dtype) -> list[dict]:
         """Zero slots for layers of ``layer_shapes`` (``models.params.param_shapes(cfg)["layers"]``)."""
         return empty_slots(cfg, layer_shapes, self.max_loras, self.max_rank, dtype)

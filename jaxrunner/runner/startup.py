@@ -17,6 +17,7 @@ from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.models import registry
 from jaxrunner.models.lora import LoraSpec
+from jaxrunner.models.params import param_shapes
 from jaxrunner.models.loading import LoadedModel
 from jaxrunner.parallel import mesh as meshes, sharding
 from jaxrunner.runner.buckets import BucketPlan
@@ -169,6 +170,10 @@ def _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh
     """(num_pages, how it was chosen, activation bytes profiled), all per device of ``mesh``: each
     holds its shard of the weights and ``1 / tp`` of every page (the pool is split by KV heads)."""
     weights_bytes = max(sharding.bytes_per_device(model.params).values())
+    adapters = lora_spec(config, model)
+    if adapters is not None:  # the slots sit beside the weights (counted whole: some factors are not split)
+        weights_bytes += adapters.nbytes(model.config, param_shapes(model.config)["layers"],
+                                         model.params["final_norm"].dtype)
     bytes_per_page = template.bytes_per_page // meshes.tensor_parallel_size(mesh)
     memory.check_pool_fits(budget, weights_bytes, bytes_per_page, config.num_pages, config.kv_cache_memory_bytes)
     if config.num_pages is not None:
