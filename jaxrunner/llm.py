@@ -168,10 +168,11 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, lora_request=None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         ``tools`` (OpenAI function specs), ``chat_template`` and ``chat_template_kwargs`` go to the
-        template, as in vLLM's ``LLM.chat``; the output is text (the server parses tool calls)."""
+        template, as in vLLM's ``LLM.chat``; the output is text (the server parses tool calls).
+        ``lora_request``: as in ``generate``."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: expected a conversation (a list of {{'role', 'content'}} dicts) or a "
                              f"list of them, got {type(messages).__name__ if messages else messages!r}")
@@ -179,7 +180,7 @@ class LLM:
         template = dict(tools=tools, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                         continue_final_message=continue_final_message)
         return self.generate([self.chat_prompt(c, add_generation_prompt, **template) for c in conversations],
-                             sampling_params, use_tqdm)
+                             sampling_params, use_tqdm, lora_request)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True, *,
                     tools: list[dict] | None = None, chat_template: str | None = None,

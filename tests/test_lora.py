@@ -253,3 +253,13 @@ def test_an_adapter_trained_in_jax_is_served_as_the_training_forward_computes_it
     grads = jax.grad(lambda a: sequence_logprobs(llm.params, cfg, sequence, a).sum())(adapter)
     assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
     assert llm.remove_lora("trained")
+
+
+def test_an_adapter_removed_and_added_again_under_its_name_serves_its_new_weights(llm, llama):
+    """The slot and the prefix cache key on each load, not on the name and id."""
+    refs = llama[1]
+    again = LoRARequest("again", 60)
+    for name, rank, alpha in (("all", 8, 16), ("qv", 4, 8)):
+        llm.add_lora(again, peft_tensors(refs[name][0].lora_path), rank=rank, alpha=alpha)
+        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False, lora_request=again)) == refs[name][1]
+        assert llm.remove_lora("again")

@@ -4,7 +4,9 @@
 (``Executor.load_adapter``; opaque here), keyed by name, at most ``max_cpu_loras`` of them in host
 memory. An adapter that no unfinished request names and that can be read again from its directory
 is dropped when room is needed, least recently used first. A name keeps its id for as long as it
-is known; ``update`` bumps its version, so the prefix cache and the slots never serve old weights.
+is known. Every load and ``update`` gets a new generation (one counter for the registry), which
+keys the slots and the prefix cache: neither ever serves weights of an older load, even of an
+adapter removed and added again under the same name and id.
 
 ``AdapterSlots`` is one replica's ``max_loras`` device slots: before a step is laid out, every
 adapter of the plan is given a slot, loading it (``Executor.load_lora_slot``) into a free slot or
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 from typing import Any, Callable, Iterable
 
@@ -24,13 +27,13 @@ from jaxrunner.lora_request import LoRARequest
 @dataclasses.dataclass
 class _Adapter:
     request: LoRARequest
-    data: Any           # what the executor laid out (host arrays)
-    version: int = 0    # bumped by update: slots and cached pages of older versions are stale
+    data: Any         # what the executor laid out (host arrays)
+    generation: int   # the registry's count at its load or last update: slots and cached pages key on it
 
     @property
     def cache_salt(self) -> int:
-        """What keys this adapter's prefix-cache pages apart from the base model's and other versions'."""
-        return hash(("lora", self.request.lora_name, self.request.lora_int_id, self.version)) or 1
+        """What keys this adapter's prefix-cache pages apart from the base model's and other loads'."""
+        return hash(("lora", self.request.lora_name, self.generation)) or 1
 
 
 class AdapterRegistry:
@@ -40,6 +43,7 @@ class AdapterRegistry:
         self.max_cpu_loras = max_cpu_loras
         self._load = load
         self._adapters: collections.OrderedDict[str, _Adapter] = collections.OrderedDict()
+        self._generations = itertools.count(1)
         self._lock = threading.Lock()  # validation runs on callers' threads
 
     def __contains__(self, name: str) -> bool:
@@ -83,8 +87,7 @@ class AdapterRegistry:
             if name not in self._adapters:
                 raise ValueError(f"update_lora: no adapter named {name!r} (known: {', '.join(self._adapters) or 'none'})")
             entry = self._adapters[name]
-            data = self._load(name, source)
-            entry.data, entry.version = data, entry.version + 1
+            entry.data, entry.generation = self._load(name, source), next(self._generations)
             return entry
 
     def remove(self, name: str, in_use: set[str]) -> bool:
@@ -100,7 +103,7 @@ class AdapterRegistry:
     def _insert(self, request: LoRARequest, data: Any, in_use: Callable[[], set[str]]) -> _Adapter:
         if len(self._adapters) >= self.max_cpu_loras:
             self._make_room(in_use())
-        entry = self._adapters[request.lora_name] = _Adapter(request, data)
+        entry = self._adapters[request.lora_name] = _Adapter(request, data, next(self._generations))
         return entry
 
     def _make_room(self, in_use: set[str]) -> None:
@@ -130,12 +133,12 @@ def _check_id_free(adapters: Iterable[_Adapter], request: LoRARequest) -> None:
 
 
 class AdapterSlots:
-    """One replica's device slots 1..max_loras: which adapter version each holds, least recent first."""
+    """One replica's device slots 1..max_loras: which adapter generation each holds, least recent first."""
 
     def __init__(self, max_loras: int, load_slot: Callable[[int, Any], None]):
         self.max_loras = max_loras
         self._load_slot = load_slot
-        self._held: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()  # slot -> (name, version)
+        self._held: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()  # slot -> (name, generation)
         self.num_loads = 0
 
     def assign(self, adapters: dict[str, _Adapter]) -> dict[str, int]:
@@ -144,24 +147,24 @@ class AdapterSlots:
             raise RuntimeError(f"a step names {len(adapters)} adapters, the device holds {self.max_loras}")
         slots = {}
         for name, entry in adapters.items():
-            slot = self._find(name, entry.version)
+            slot = self._find(name, entry.generation)
             if slot is None:
                 slot = self._free_slot(adapters)
                 self._load_slot(slot, entry.data)
                 self.num_loads += 1
                 self._held.pop(slot, None)
-                self._held[slot] = (name, entry.version)
+                self._held[slot] = (name, entry.generation)
             self._held.move_to_end(slot)
             slots[name] = slot
         return slots
 
-    def _find(self, name: str, version: int) -> int | None:
-        return next((slot for slot, held in self._held.items() if held == (name, version)), None)
+    def _find(self, name: str, generation: int) -> int | None:
+        return next((slot for slot, held in self._held.items() if held == (name, generation)), None)
 
     def _free_slot(self, adapters: dict[str, _Adapter]) -> int:
         """An empty slot, else the least recently used one holding nothing the plan needs."""
         empty = [slot for slot in range(1, self.max_loras + 1) if slot not in self._held]
         if empty:
             return empty[0]
-        return next(slot for slot, (name, version) in self._held.items()
-                    if name not in adapters or adapters[name].version != version)
+        return next(slot for slot, (name, generation) in self._held.items()
+                    if name not in adapters or adapters[name].generation != generation)

@@ -240,7 +240,7 @@ class LLMEngine:
     def update_lora(self, name: str, source) -> None:
         """New weights for adapter ``name`` (a directory, or ``(tensors, rank, alpha, use_rslora)``),
         served from the next step on, compiling nothing; requests in flight go on with them. New
-        requests never reuse prefixes cached with the old ones (the salt has the version)."""
+        requests never reuse prefixes cached with the old ones (the salt has the generation)."""
         if self.adapters is None:
             raise ValueError("update_lora: this engine serves no adapters; start it with enable_lora=True")
         self.adapters.update(name, source)
