@@ -176,9 +176,10 @@ def test_an_engine_without_lora_refuses_adapters(llama):
         make_llm(llama[0], enable_lora=True, max_lora_rank=0)
 
 
-def test_adapters_on_an_int8_base(llama):
-    """int8 weights with float adapters beside them: the adapter's tokens, as on the float base."""
-    quantized = make_llm(llama[0], quantization="int8", **LORA_ENGINE)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_adapters_on_a_quantized_base(llama, quantization):
+    """Packed weights with float adapters beside them: the adapter's tokens, as on the float base."""
+    quantized = make_llm(llama[0], quantization=quantization, **LORA_ENGINE)
     request, want, _ = llama[1]["all"]
     got = token_ids(quantized.generate(prompts(), GREEDY, use_tqdm=False, lora_request=request))
     base = token_ids(quantized.generate(prompts(), GREEDY, use_tqdm=False))
