@@ -264,3 +264,17 @@ def test_an_adapter_removed_and_added_again_under_its_name_serves_its_new_weight
         llm.add_lora(again, peft_tensors(refs[name][0].lora_path), rank=rank, alpha=alpha)
         assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False, lora_request=again)) == refs[name][1]
         assert llm.remove_lora("again")
+
+
+def test_host_memory_holds_max_cpu_loras_and_reads_dropped_adapters_again(llama):
+    """One slot and one adapter in host memory: a call naming three adapters reads each again as
+    it needs it, and every row still gets its own adapter's tokens."""
+    refs = llama[1]
+    small = make_llm(llama[0], enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    order = ["all", "qv", "all", "mlp_rs", None]
+    got = token_ids(small.generate(prompts(len(order)), GREEDY, use_tqdm=False,
+                                   lora_request=[refs[name][0] for name in order for _ in PROMPTS]))
+    assert got == [tokens for name in order for tokens in refs[name][1]]
+    assert small.engine.scheduler.allocator.num_used_pages == 0
+    small.add_lora(LoRARequest("mem", 9), peft_tensors(refs["qv"][0].lora_path), rank=4, alpha=8)
+    assert [r.lora_name for r in small.list_loras()] == ["mem"]  # back to the cap once nothing uses the others

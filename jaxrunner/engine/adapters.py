@@ -1,9 +1,10 @@
 """LoRA adapters on the engine's side (host only): which are known, and which sit in which slot.
 
 ``AdapterRegistry`` holds the adapters requests may name: read and laid out by the executor
-(``Executor.load_adapter``; opaque here), keyed by name, at most ``max_cpu_loras`` of them in host
-memory. An adapter that no unfinished request names and that can be read again from its directory
-is dropped when room is needed, least recently used first. A name keeps its id for as long as it
+(``Executor.load_adapter``; opaque here), keyed by name, ``max_cpu_loras`` of them in host memory
+(more only while unfinished requests use them all). An adapter that no unfinished request names
+and that can be read again from its directory is dropped when room is needed, least recently used
+first. A name keeps its id for as long as it
 is known. Every load and ``update`` gets a new generation (one counter for the registry), which
 keys the slots and the prefix cache: neither ever serves weights of an older load, even of an
 adapter removed and added again under the same name and id.
@@ -102,18 +103,17 @@ class AdapterRegistry:
 
     def _insert(self, request: LoRARequest, data: Any, in_use: Callable[[], set[str]]) -> _Adapter:
         if len(self._adapters) >= self.max_cpu_loras:
-            self._make_room(in_use())
+            self._make_room(in_use(), len(self._adapters) - self.max_cpu_loras + 1)
         entry = self._adapters[request.lora_name] = _Adapter(request, data, next(self._generations))
         return entry
 
-    def _make_room(self, in_use: set[str]) -> None:
-        """Drop the least recently used adapter that can be read again and that nothing uses."""
-        for name, entry in self._adapters.items():
-            if name not in in_use and entry.request.lora_path:
-                del self._adapters[name]
-                return
-        raise ValueError(f"max_cpu_loras={self.max_cpu_loras}: every adapter in host memory is in use or was "
-                         f"added from memory; remove one (remove_lora) or raise max_cpu_loras")
+    def _make_room(self, in_use: set[str], count: int) -> None:
+        """Drop up to ``count`` of the least recently used adapters that can be read again and that
+        nothing uses. Where too few can go (in use, or added from memory), host memory holds more
+        than the cap: the requests that use them need them."""
+        droppable = [name for name, entry in self._adapters.items() if name not in in_use and entry.request.lora_path]
+        for name in droppable[:count]:
+            del self._adapters[name]
 
 
 def _check_same(known: LoRARequest, request: LoRARequest) -> None:

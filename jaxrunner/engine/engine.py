@@ -59,7 +59,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     grammar: str | None = None
-    lora_name: str | None = None  # the adapter it runs with (loaded by validation), None: the base model
+    lora_request: LoRARequest | None = None  # the adapter it runs with (read by validation), None: the base model
 
 
 def _token_id_list(token_ids) -> list[int]:
@@ -198,7 +198,7 @@ class LLMEngine:
 
         Every front end (``LLM``, ``AsyncLLM``, the HTTP server) validates all the requests of a call
         with this before it adds any, so a bad one leaves nothing behind."""
-        lora_name = self._resolve_adapter(lora_request)
+        self.resolve_adapter(lora_request)
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
         if params.n != 1:
@@ -211,16 +211,26 @@ class LLMEngine:
         self.scheduler.check_fits(len(token_ids), self._output_cap(params, len(token_ids)))
         constraint = params.structured_outputs
         return ValidRequest(text, token_ids, params, None if constraint is None else self.grammars.grammar(constraint),
-                            lora_name)
+                            lora_request)
 
     # ------------------------------------------------------------------ adapters
-    def _resolve_adapter(self, lora_request: LoRARequest | None) -> str | None:
+    def resolve_adapter(self, lora_request: LoRARequest | None) -> str | None:
+        """The name of the adapter ``lora_request`` names, read into host memory if it is not there
+        (a ``ValueError`` when it cannot be); None for none. Safe from any thread."""
         if lora_request is None:
             return None
         if self.adapters is None:
             name = getattr(lora_request, "lora_name", lora_request)
             raise ValueError(f"lora_request {name!r}: this engine serves no adapters; start it with enable_lora=True")
         return self.adapters.resolve(lora_request, self._adapters_in_use).request.lora_name
+
+    def _adapter_fields(self, valid: ValidRequest) -> dict:
+        """A new request's adapter and prefix-cache salt. The adapter is read again if host memory
+        dropped it since validation (a call's requests are all validated before any is added)."""
+        if valid.lora_request is None:
+            return {}
+        name = self.resolve_adapter(valid.lora_request)
+        return {"lora_name": name, "cache_salt": self.adapters.get(name).cache_salt}
 
     def _adapters_in_use(self) -> set[str]:
         return set().union(*(replica.scheduler.adapters_in_use() for replica in self.replicas))
@@ -360,8 +370,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else hash((self.config.seed, arrival)) & (2**64 - 1)
         request = Request(request_id, token_ids, params, arrival_index=arrival,
                           max_tokens=self._output_cap(params, len(token_ids)), seed=seed,
-                          bad_words_token_ids=self._bad_words_token_ids(params), lora_name=valid.lora_name,
-                          cache_salt=0 if valid.lora_name is None else self.adapters.get(valid.lora_name).cache_salt)
+                          bad_words_token_ids=self._bad_words_token_ids(params), **self._adapter_fields(valid))
         if valid.grammar is not None:
             request.grammar = self.grammars.matcher(valid.grammar)
         replica = min(self.replicas, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)

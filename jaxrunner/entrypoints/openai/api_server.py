@@ -439,8 +439,20 @@ def _admit(state: ServerState, loop, new_requests: int) -> None:
                            status=503, kind="service_unavailable", headers={"Retry-After": "1"})
 
 
+async def _adapter_in_memory(state: ServerState, adapter: LoRARequest | None) -> None:
+    """Read an adapter the engine dropped from host memory (``--max-cpu-loras``) on a thread, so
+    that validating the request, on the event loop, finds it there."""
+    if adapter is None:
+        return
+    try:
+        await asyncio.to_thread(state.ready().engine.resolve_adapter, adapter)
+    except ValueError as err:
+        raise RequestError(str(err), param="model") from None
+
+
 async def _completions(state: ServerState, request: Request, body: protocol.CompletionRequest):
     adapter = _check_model(state, body.model)
+    await _adapter_in_memory(state, adapter)
     max_model_len = state.ready().engine.max_model_len
     protocol.check_prompt_logprobs(body)
     params = protocol.sampling_params(body, body.max_tokens, body.logprobs, max_model_len, state.sampling_defaults)
@@ -485,6 +497,7 @@ def _prompt_logprobs(body, out, tokenizer):
 
 async def _chat_completions(state: ServerState, request: Request, body: protocol.ChatCompletionRequest):
     adapter = _check_model(state, body.model)
+    await _adapter_in_memory(state, adapter)
     async_llm = state.ready()
     protocol.check_prompt_logprobs(body)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
