@@ -278,3 +278,19 @@ def test_host_memory_holds_max_cpu_loras_and_reads_dropped_adapters_again(llama)
     assert small.engine.scheduler.allocator.num_used_pages == 0
     small.add_lora(LoRARequest("mem", 9), peft_tensors(refs["qv"][0].lora_path), rank=4, alpha=8)
     assert [r.lora_name for r in small.list_loras()] == ["mem"]  # back to the cap once nothing uses the others
+
+
+@pytest.mark.parametrize("family,targets", [("gemma2", ALL_TARGETS),
+                                            ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])])
+def test_other_families_adapters_match_transformers_peft(tmp_path, family, targets):
+    """Gemma 2 (soft caps, windows, pre+post norms) and Phi-3, whose checkpoints fuse q/k/v and
+    gate/up into one module each: PEFT adapts the fused modules, which are split into our parts."""
+    from test_model_families import build_family_checkpoint
+
+    base = build_family_checkpoint(tmp_path / family, family)
+    merged = save_adapter(base, tmp_path / "adapter", 5, targets, 8, 16)
+    request = LoRARequest("fam", 1, str(tmp_path / "adapter"))
+    engine = make_llm(base, **LORA_ENGINE)
+    got = token_ids(engine.generate(prompts(), GREEDY, use_tqdm=False, lora_request=request))
+    assert got == [greedy(merged, p) for p in PROMPTS]
+    assert got != token_ids(engine.generate(prompts(), GREEDY, use_tqdm=False))

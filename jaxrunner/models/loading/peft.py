@@ -2,7 +2,8 @@
 
 PEFT saves ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``, ...)
 and ``adapter_model.safetensors`` with, per targeted projection, ``...layers.{i}.{module}.lora_A.weight``
-[r, in] and ``lora_B.weight`` [out, r] (torch layout). The adapter's delta is
+[r, in] and ``lora_B.weight`` [out, r] (torch layout). Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` are split into their parts (the shared A, each part's rows of B). The adapter's delta is
 ``scaling * x @ A.T @ B.T`` with ``scaling = alpha / r`` (``alpha / sqrt(r)`` under rsLoRA).
 
 Laid out for a slot (``models.lora``), each of our fused projections gets ``a`` [in, P * R] (its
@@ -27,8 +28,10 @@ from jaxrunner.models.lora import PROJECTIONS, part_sizes, slot_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-MODULE_TO_PROJECTION = {module: (projection, part) for projection, modules in PROJECTIONS.items()
-                        for part, module in enumerate(modules)}
+# Modules some families' checkpoints fuse (Phi-3): one A, and a B whose rows are the parts' in order.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MODULE_TO_PROJECTION = {**{module: projection for projection, modules in PROJECTIONS.items() for module in modules},
+                        "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up"}
 # PEFT options that change what the adapter computes, and the value that means "not used"
 UNSUPPORTED_OPTIONS = {"use_dora": False, "modules_to_save": None, "bias": "none", "rank_pattern": {},
                        "alpha_pattern": {}, "lora_bias": False}
@@ -151,7 +154,7 @@ def _factors_by_module(tensors, cfg: ModelConfig, layer_shapes: list[dict], rank
                                f"{', '.join(MODULE_TO_PROJECTION)}")
         if layer >= len(layer_shapes):
             raise AdapterError(f"{source}: tensor {key!r} names layer {layer}; the model has {len(layer_shapes)}")
-        projection, _ = MODULE_TO_PROJECTION[module]
+        projection = MODULE_TO_PROJECTION[module]
         if projection not in layer_shapes[layer]:
             raise AdapterError(f"{source}: targets {module!r}, which layer {layer} of this model does not have "
                                f"as a dense projection")
@@ -159,8 +162,22 @@ def _factors_by_module(tensors, cfg: ModelConfig, layer_shapes: list[dict], rank
     for layer, modules in found.items():
         for module, sides in modules.items():
             _check_pair(sides, module, layer, cfg, layer_shapes[layer], rank, source)
-    return {layer: {module: (sides["A"], sides["B"]) for module, sides in modules.items()}
+    return {layer: _split_fused({module: (sides["A"], sides["B"]) for module, sides in modules.items()}, cfg,
+                                f"{source}: layer {layer}")
             for layer, modules in found.items()}
+
+
+def _split_fused(modules: dict, cfg: ModelConfig, where: str) -> dict:
+    """A fused module's factors as its parts': each part keeps the shared A and its rows of B."""
+    split = {}
+    for module, (lora_a, lora_b) in modules.items():
+        parts = FUSED_MODULES.get(module, (module,))
+        bounds = np.cumsum([_module_out(part, cfg) for part in parts])[:-1]
+        for part, rows in zip(parts, np.split(lora_b, bounds)):
+            if part in split:
+                raise AdapterError(f"{where}: adapts {part!r} twice (as itself and inside a fused module)")
+            split[part] = (lora_a, rows)
+    return split
 
 
 def _check_pair(sides: dict, module: str, layer: int, cfg: ModelConfig, shapes: dict, rank: int, source: str) -> None:
@@ -168,8 +185,7 @@ def _check_pair(sides: dict, module: str, layer: int, cfg: ModelConfig, shapes: 
     if set(sides) != {"A", "B"}:
         raise AdapterError(f"{where}: has lora_{'A' if 'A' in sides else 'B'} without its lora_"
                            f"{'B' if 'A' in sides else 'A'}")
-    projection, _ = MODULE_TO_PROJECTION[module]
-    fan_in = shapes[projection][0]
+    fan_in = shapes[MODULE_TO_PROJECTION[module]][0]
     fan_out = _module_out(module, cfg)
     if sides["A"].shape != (rank, fan_in) or sides["B"].shape != (fan_out, rank):
         raise AdapterError(f"{where}: lora_A {sides['A'].shape} and lora_B {sides['B'].shape} do not match the "
@@ -177,6 +193,8 @@ def _check_pair(sides: dict, module: str, layer: int, cfg: ModelConfig, shapes: 
 
 
 def _module_out(module: str, cfg: ModelConfig) -> int:
+    if module in FUSED_MODULES:
+        return sum(_module_out(part, cfg) for part in FUSED_MODULES[module])
     return {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": cfg.hidden_size,
             "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
             "down_proj": cfg.hidden_size}[module]
