@@ -112,8 +112,9 @@ def moe(model_dirs: str) -> dict:
 
 
 def lora(spec: str) -> dict:
-    """LoRA adapters (JSON: the base directory and {name: adapter directory}) in one batch at TP 1
-    and TP 2: the same tokens, the slot factors split as their projections are."""
+    """LoRA adapters (JSON: the base directory and {name: adapter directory}) in one batch on one
+    device, at TP 2 and at DP 2 (each replica its own slots): the same tokens, the slot factors
+    split as their projections are."""
     import jax
 
     from jaxrunner import LLM, LoRARequest, SamplingParams
@@ -123,13 +124,14 @@ def lora(spec: str) -> dict:
     prompts = random_prompts(3, 512, 3, 30, seed=4)
     requests = [adapter for adapter in [None, *adapters] for _ in prompts]
     results = {}
-    for tp in (1, 2):
-        llm = LLM(spec["base"], **MESH_ENGINE, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8)
+    for tp, dp in ((1, 1), (2, 1), (1, 2)):
+        llm = LLM(spec["base"], **MESH_ENGINE, tensor_parallel_size=tp, data_parallel_size=dp, enable_lora=True,
+                  max_loras=2, max_lora_rank=8)
         with count_compilations() as compiles:
             outputs = llm.generate(prompts * (len(adapters) + 1), SamplingParams(max_tokens=8, **GREEDY),
                                    use_tqdm=False, lora_request=requests)
         slots = llm.engine.executor.runner.lora_slots[0]
-        results[f"tp{tp}"] = {"tokens": token_ids(outputs), "serving_compiles": len(compiles),
+        results[f"tp{tp}_dp{dp}"] = {"tokens": token_ids(outputs), "serving_compiles": len(compiles),
                               "split": {f"{name}/{part}": list(jax.tree.leaves(slots[name][part])[0].sharding.spec)
                                         for name in ("wqkv", "wo") for part in ("a", "b")}}
     return results

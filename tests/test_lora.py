@@ -212,18 +212,19 @@ def test_qwen3_adapters_in_one_batch_match_transformers_peft(tmp_path):
     assert got == [tokens for name in order for tokens in refs[name][1]]
 
 
-def test_tensor_parallel_adapters_split_with_their_projections(llama):
-    """TP 2 on 8 forced CPU devices serves each adapter's tokens, B split by columns of q/k/v and A
-    by rows of the output projection, compiling nothing while serving."""
+def test_tensor_and_data_parallel_adapters_give_one_devices_tokens(llama):
+    """TP 2 and DP 2 on 8 forced CPU devices serve each adapter's tokens, B split by columns of
+    q/k/v and A by rows of the output projection under TP, compiling nothing while serving."""
     from test_parallel import _run_worker
 
     spec = {"base": llama[0], "adapters": {name: llama[1][name][0].lora_path for name in ("all", "mlp_rs")}}
     result = _run_worker("lora", json.dumps(spec))
-    assert result["tp2"]["tokens"] == result["tp1"]["tokens"]
-    tokens = result["tp1"]["tokens"]
+    tokens = result["tp1_dp1"]["tokens"]
     assert tokens[:3] != tokens[3:6] and tokens[3:6] != tokens[6:]  # base, then each adapter's rows
-    assert result["tp2"]["split"] == {"wqkv/a": [], "wqkv/b": [None, "model"], "wo/a": ["model", None], "wo/b": []}
-    assert result["tp1"]["serving_compiles"] == result["tp2"]["serving_compiles"] == 0
+    assert result["tp2_dp1"]["tokens"] == result["tp1_dp2"]["tokens"] == tokens
+    assert result["tp2_dp1"]["split"] == {"wqkv/a": [], "wqkv/b": [None, "model"], "wo/a": ["model", None],
+                                          "wo/b": []}
+    assert all(run["serving_compiles"] == 0 for run in result.values())
 
 
 def test_an_adapter_trained_in_jax_is_served_as_the_training_forward_computes_it(llm):
