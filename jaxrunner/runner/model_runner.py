@@ -197,14 +197,11 @@ class ModelRunner:
         self.matmuls = matmuls  # where the model's products run
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs)
-        self.lora_spec = lora_spec
-        rules = registry.partition_rules(cfg)
-        param_shardings = sharding.param_shardings(params, self.mesh, rules)
-        slots = slot_shardings = None
+        param_shardings = sharding.param_shardings(params, self.mesh, registry.partition_rules(cfg))
+        self.lora_spec, self.lora_slots, slot_shardings = lora_spec, None, None
         if lora_spec is not None:
-            slots = lora_spec.empty_slots(cfg, param_shapes(cfg)["layers"], params["final_norm"].dtype)
-            attached = sharding.param_shardings(lora.attach(params, slots), self.mesh, rules)
-            slot_shardings = [layer[lora.SLOTS_KEY] for layer in attached["layers"]]
+            self.lora_slots, slot_shardings = self._placed_slots(params)
+            self._write_slot = jax.jit(lora.write, out_shardings=slot_shardings)
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool,) * len(cache_spec.pool_shapes(attention_impl))] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
@@ -213,17 +210,20 @@ class ModelRunner:
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
             self._jitted_step = jitted_step(architecture, attention, max_loras=max_loras)  # compile time (~10%)
         else:
-            step_params = param_shardings if slots is None else lora.attach(param_shardings, slot_shardings)
+            step_params = param_shardings if lora_spec is None else lora.attach(param_shardings, slot_shardings)
             self._jitted_step = jitted_step(architecture, attention, (step_params, cache_shardings,
                                                                       self.batch_sharding), max_loras)
         self._executables: dict = {}
         self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
-        self.lora_slots = None
-        if slots is not None:
-            self.lora_slots = jax.device_put(slots, slot_shardings)
-            self._write_slot = jax.jit(lora.write, out_shardings=slot_shardings)
         self.kv_cache = cache_spec.allocate(pool, attention_impl)
         self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
+
+    def _placed_slots(self, params) -> tuple[list, list]:
+        """Zero adapter slots on the mesh, split as their projections are, and their shardings."""
+        slots = self.lora_spec.empty_slots(self.cfg, param_shapes(self.cfg)["layers"], params["final_norm"].dtype)
+        attached = sharding.param_shardings(lora.attach(params, slots), self.mesh, registry.partition_rules(self.cfg))
+        slot_shardings = [layer[lora.SLOTS_KEY] for layer in attached["layers"]]
+        return jax.device_put(slots, slot_shardings), slot_shardings
 
     def trace(self, batch):
         """The step traced to a jaxpr for ``batch``'s shapes (Python runs the model once)."""
