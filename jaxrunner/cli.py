@@ -78,8 +78,9 @@ def _lora_options(args) -> dict:
                if getattr(args, name) is not None}
     if args.enable_lora:
         options["enable_lora"] = True
-    elif args.lora_modules:
-        raise ValueError("--lora-modules: the adapters need --enable-lora")
+    elif args.lora_modules or options:
+        flag = "--lora-modules" if args.lora_modules else "--" + next(iter(options)).replace("_", "-")
+        raise ValueError(f"{flag}: LoRA adapters need --enable-lora")
     return options
 
 

@@ -154,6 +154,7 @@ def test_bad_adapters_are_refused_by_name_and_leave_nothing_behind(llm, llama, t
         "cannot adapt": broken("module", edit_tensors=renamed),
         "do not match the base model": broken("shape", edit_tensors=reshaped),
         "use_dora": broken("dora", lambda c: c.update(use_dora=True)),
+        "fan_in_fan_out": broken("fifo", lambda c: c.update(fan_in_fan_out=True)),
         "no adapter_config.json": str(tmp_path / "missing"),
     }
     for index, (message, path) in enumerate(cases.items(), start=100):

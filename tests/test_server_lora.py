@@ -226,6 +226,9 @@ def test_load_and_unload_need_the_api_key(server, adapters):
     ("/v1/unload_lora_adapter", {}, "lora_name"),
     ("/v1/unload_lora_adapter", {"lora_name": ["sql"]}, "lora_name"),
     ("/v1/unload_lora_adapter", [], None),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x", "load_inplace": True}, "load_inplace"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x", "base_model": "m"}, "base_model"),
+    ("/v1/unload_lora_adapter", {"lora_name": "sql", "lora_int_id": 1}, "lora_int_id"),
 ])
 def test_bad_bodies_get_400_naming_the_field(server, path, body, field):
     http, _ = server
@@ -267,6 +270,8 @@ def test_serve_maps_the_lora_flags(adapters, monkeypatch, capsys):
         {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8}
     assert cli.main(["serve", base, "--lora-modules", "a=/adapters/a"]) == 2
     assert "--lora-modules" in capsys.readouterr().err
+    assert cli.main(["serve", base, "--max-loras", "3"]) == 2
+    assert "--max-loras: LoRA adapters need --enable-lora" in capsys.readouterr().err
     assert cli.main(["serve", base, "--enable-lora", "--lora-modules", "a=/x", "a=/y"]) == 2
     assert "'a' is given twice" in capsys.readouterr().err
     assert cli.main(["serve", base, "--enable-lora", "--lora-modules", f"{base}=/x"]) == 2

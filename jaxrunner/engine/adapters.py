@@ -4,8 +4,7 @@
 (``Executor.load_adapter``; opaque here), keyed by name, ``max_cpu_loras`` of them in host memory
 (more only while unfinished requests use them all). An adapter that no unfinished request names
 and that can be read again from its directory is dropped when room is needed, least recently used
-first. A name keeps its id for as long as it
-is known. Every load and ``update`` gets a new generation (one counter for the registry), which
+first. A name keeps its id for as long as it is known. Every load and ``update`` gets a new generation (one counter for the registry), which
 keys the slots and the prefix cache: neither ever serves weights of an older load, even of an
 adapter removed and added again under the same name and id.
 

@@ -368,7 +368,8 @@ class Scheduler:
 
     def adapters_in_use(self) -> set[str]:
         """The adapters of the unfinished requests (running or waiting)."""
-        return {request.lora_name for request in self._unfinished.values() if request.lora_name is not None}
+        requests = list(self._unfinished.values())  # one C-level copy: callers' threads validate while the loop runs
+        return {request.lora_name for request in requests if request.lora_name is not None}
 
     def _make_room(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Give ``request`` pages for ``num_new`` more tokens, preempting the newest running requests

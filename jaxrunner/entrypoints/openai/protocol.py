@@ -198,16 +198,27 @@ class DetokenizeRequest(BaseModel):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's /v1/load_lora_adapter: a PEFT adapter directory, served under ``lora_name``."""
+    """vLLM's /v1/load_lora_adapter: a PEFT adapter directory, served under ``lora_name``. Any other
+    field is a 400 naming it; vLLM's ``load_inplace`` only as false (unload, then load)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+    @pydantic.field_validator("load_inplace")
+    @classmethod
+    def _not_in_place(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("replacing a loaded adapter in place is not supported; unload it, then load it again")
+        return value
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """vLLM's /v1/unload_lora_adapter, by name (any other field, ``lora_int_id`` too, is a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1)
 

@@ -34,7 +34,7 @@ MODULE_TO_PROJECTION = {**{module: projection for projection, modules in PROJECT
                         "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up"}
 # PEFT options that change what the adapter computes, and the value that means "not used"
 UNSUPPORTED_OPTIONS = {"use_dora": False, "modules_to_save": None, "bias": "none", "rank_pattern": {},
-                       "alpha_pattern": {}, "lora_bias": False}
+                       "alpha_pattern": {}, "lora_bias": False, "fan_in_fan_out": False, "layer_replication": None}
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
