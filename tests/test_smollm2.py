@@ -1,11 +1,9 @@
 """The embedded SmolLM2-135M-Instruct (Q4_1 GGUF) through the full engine against transformers."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from conftest import requires_smollm2, smollm2_gguf_path
+from conftest import requires_smollm2, smollm2_hf_dir
 from engine_helpers import COMPILE_CACHE
 from jaxrunner import LLM, SamplingParams
 
@@ -34,9 +32,7 @@ def test_greedy_chat_matches_transformers_token_for_token(smollm2):
     prompts = [smollm2.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     ours = smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
 
-    path = smollm2_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32)
     eos = smollm2.get_tokenizer().eos_token_id
     for prompt, output in zip(prompts, ours):
         ids = torch.tensor(prompt["prompt_token_ids"])[None]
