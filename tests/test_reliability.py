@@ -25,7 +25,7 @@ def test_short_soak_loses_nothing_and_holds_no_pages(tiny_checkpoints, tmp_path)
     out = tmp_path / "soak.json"
     env = dict(os.environ, JAXRUNNER_COMPILATION_CACHE=COMPILE_CACHE, HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     proc = subprocess.run([sys.executable, str(SCRIPTS / "soak.py"), "--model", tiny_checkpoints["llama"],
-                           "--num-requests", "120", "--duration-s", "30", "--max-output-len", "24",
+                           "--num-requests", "120", "--duration-s", "12", "--max-output-len", "24",
                            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
                            "--request-timeout-s", "60", "--output-json", str(out), "--no-plot"],
                           env=env, capture_output=True, text=True, timeout=600)
