@@ -154,6 +154,27 @@ def jax_tpu_layer(q, k, v, pools, *meta):
     return kernels.write_kv_and_attend(q, k, v, pools, *meta, sm_scale=0.1, impl="jax_tpu")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_combined_pool_layout_round_trips_against_two_pools(dtype):
+    """``kernels.kv_pools("jax_tpu", k, v)`` is jax's layout (the one ``kv_pool_shapes`` gives,
+    K at even heads), ``kv_from_pools`` undoes it, and the step's write into the combined pool
+    is the two-pool write, interleaved (on this CPU; the kernel reading it needs a TPU)."""
+    from jaxrunner.kernels.kv_write import write_kv_pages_combined
+
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((9, 8, 2, 128)), dtype) for _ in range(2))
+    (pool,) = kernels.kv_pools("jax_tpu", k, v)
+    assert pool.shape == kernels.kv_pool_shapes("jax_tpu", 9, 8, 2, 128)[0]
+    assert np.array_equal(pool[:, :, 0::2], k) and np.array_equal(pool[:, :, 1::2], v)
+    assert all(np.array_equal(a, b) for a, b in zip(kernels.kv_from_pools((pool,)), (k, v)))
+    assert kernels.kv_pools("xla", k, v) == (k, v) and kernels.kv_from_pools((k, v)) == (k, v)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((5, 2, 128)), dtype) for _ in range(2))
+    slots = jnp.asarray([8, 9, 30, 71, 40], jnp.int32)
+    combined = kernels.kv_from_pools((write_kv_pages_combined(pool, k_new, v_new, slots),))
+    two_pools = kernels.write_kv_pages(k, v, k_new, v_new, slots)
+    assert all(np.array_equal(a, b) for a, b in zip(combined, two_pools))
+
+
 def pool_sized_ops(lowered, pool_elements: int) -> set[str]:
     """The ops of a lowered module (its StableHLO, nested regions included) with a result of at
     least a quarter of a pool: any copy of the batch's pages has one."""
