@@ -13,9 +13,14 @@ record, so one cut short by its budget still keeps what it measured).
 * ``smem``: the Triton kernel compiled alone for head_dim 64/128/256, bf16 and float32, decode
   and prefill tiles, both as the shared-memory budget chooses its tiles and with the unbudgeted
   defaults: compile success against ``pallas_kernel.shared_memory_estimate``, the bytes Triton
-  asks for when it refuses, and, for any PTX XLA dumps, registers and spills from ``ptxas``. The
-  kernels' StableHLO (the Triton IR serialized inside), optimized HLO and any PTX go to
-  ``$OUT/kernel_ir.tar.gz`` (on the H200, jax 0.11.2, XLA dumped no PTX for them);
+  asks for when it refuses, and, for any PTX XLA dumps, registers and spills from ``ptxas``. To
+  ``$OUT/kernel_ir.tar.gz`` go each kernel's Triton IR as MLIR text (``triton_ir/``, taken from
+  the lowering: ``kernels.testing.triton_modules``, checked on CPU too), its StableHLO and
+  optimized HLO, and what the XLA flags of ``_child_env`` make XLA dump. On the H200 (jax
+  0.11.2) XLA dumped no PTX with ``--xla_dump_to`` alone: its sources show Pallas kernels
+  compiled one by one outside the module's PTX dump. ``--xla_dump_emitter_re=triton-to-llvm``
+  (XLA's log of the Triton pipeline's IR, pass by pass) and ``--xla_gpu_dump_llvmir`` are set
+  for the next run; whether they yield the PTX is unverified until a device runs them;
 * ``correctness``: the auto-chosen kernel (compiled, not interpreted), forced split-KV and the
   XLA path against the reference on the device: fixed cases (GQA 1..8, pages 8..128, head_dim
   64/128, window, soft cap) and fuzzed ragged batches whose unowned cache slots hold NaN; errors
@@ -313,13 +318,14 @@ def _compile_point(point, limit, args) -> dict:
     case = make_case(np.random.default_rng(head_dim), q_lens, kv_lens, num_q_heads=8,
                      num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype, poison=False)
     shared = limit if budget == "budgeted" else UNBUDGETED
-    return _compile_kernel(case, shared, limit, args, **tiles)
+    ir_name = "_".join([f"d{head_dim}", dtype, tile, budget] + [f"{k}{v}" for k, v in tiles.items()])
+    return _compile_kernel(case, shared, limit, args, ir_name, **tiles)
 
 
-def _compile_kernel(case, shared, limit, args, **tiles) -> dict:
+def _compile_kernel(case, shared, limit, args, ir_name: str, **tiles) -> dict:
     """Compile (smoke: lower for cuda) the kernel alone for ``case``; the tiles it got, the
-    estimate, and what Triton said if it refused. ``compile_s`` is wall time, with other points
-    compiling beside it."""
+    estimate, the files its Triton IR went to (``_write_triton_ir``), and what Triton said if it
+    refused. ``compile_s`` is wall time, with other points compiling beside it."""
     import jax
     import jax.numpy as jnp
 
@@ -337,11 +343,13 @@ def _compile_kernel(case, shared, limit, args, **tiles) -> dict:
     if args.smoke:  # no GPU: lowering is what can be checked
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
         with lowering_context("cuda"):
-            kernel.trace(*shapes).lower(lowering_platforms=("cuda",))
-        return dict(rec, lowered=True)
+            lowered = kernel.trace(*shapes).lower(lowering_platforms=("cuda",))
+        return dict(rec, lowered=True, triton_ir=guarded(lambda: _write_triton_ir(lowered, ir_name, args)))
+    lowered = kernel.lower(*inputs)
+    rec["triton_ir"] = guarded(lambda: _write_triton_ir(lowered, ir_name, args))
     start = time.perf_counter()
     try:
-        kernel.lower(*inputs).compile()
+        lowered.compile()
     except Exception as e:  # noqa: BLE001 - a refusal is the measurement
         text = str(e)
         asked = [int(n) for n in re.findall(r"(?:[Rr]equired|requested|[Rr]equest)[^0-9]{0,20}(\d{4,})", text)]
@@ -350,9 +358,25 @@ def _compile_kernel(case, shared, limit, args, **tiles) -> dict:
     return dict(rec, compiled=True, compile_s=time.perf_counter() - start)
 
 
+def _write_triton_ir(lowered, name: str, args) -> list[str]:
+    """The Triton IR of the kernels in ``lowered`` (``kernels.testing.triton_modules``) as text
+    files under the dump folder, for ``kernel_ir.tar.gz``; their paths there."""
+    from jaxrunner.kernels.testing import triton_modules
+
+    folder = pathlib.Path(args.dump_dir) / "triton_ir"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, text in enumerate(triton_modules(lowered)):
+        path = folder / f"{name}.{i}.ttir.mlir"
+        path.write_text(text)
+        written.append(str(path.relative_to(args.dump_dir)))
+    return written
+
+
 def _ptxas_stats(args) -> dict:
     """Registers, spills and static shared memory per dumped kernel (``ptxas -v``), and the
-    kernels' PTX and optimized HLO as ``$OUT/kernel_ir.tar.gz``."""
+    kernels' Triton IR, StableHLO, optimized HLO, XLA's Triton pass log and any PTX as
+    ``$OUT/kernel_ir.tar.gz``."""
     dump = pathlib.Path(args.dump_dir) if args.dump_dir else None
     if dump is None or not dump.is_dir():
         return dict(skipped="no XLA dump")
@@ -360,8 +384,10 @@ def _ptxas_stats(args) -> dict:
     kinds = sorted({re.sub(r"^module_\d+\.", "", f.name) for f in files})
     with tarfile.open(pathlib.Path(args.out) / "kernel_ir.tar.gz", "w:gz") as tar:
         for f in files:
-            wanted = f.suffix in (".ptx", ".ll", ".mlir", ".ttir", ".ttgir") or f.name.endswith("after_optimizations.txt")
-            if wanted and f.stat().st_size < (1 << 20):
+            pass_log = f.name.endswith(TRITON_PASS_LOG)  # the IR before each pass: large, and compresses well
+            wanted = (f.suffix in (".ptx", ".ll", ".mlir", ".ttir", ".ttgir") or pass_log
+                      or f.name.endswith("after_optimizations.txt"))
+            if wanted and f.stat().st_size < (16 << 20 if pass_log else 1 << 20):
                 tar.add(f, arcname=f.relative_to(dump))
     ptxas = shutil.which("ptxas") or next((str(p) for p in pathlib.Path("/usr/local").glob("cuda*/bin/ptxas")), None)
     stats = {}
@@ -801,11 +827,19 @@ def run_section(args) -> int:
     return 0
 
 
+TRITON_PASS_LOG = "triton-to-llvm.txt"  # XLA's log of the IR before each pass of its Triton pipeline
+
+
 def _child_env(name: str, dump_dir: pathlib.Path) -> dict:
+    """The section's environment. ``smem`` gets XLA dump flags, for kernel_ir.tar.gz: the kernels'
+    StableHLO and optimized HLO (``--xla_dump_to``, limited to them), XLA's Triton pass log
+    (``--xla_dump_emitter_re``: XLA compiles each Pallas kernel through its ``triton-to-llvm``
+    pipeline and logs the IR before every pass) and its LLVM IR and PTX (``--xla_gpu_dump_llvmir``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if name == "smem":  # the kernels' StableHLO, HLO and any PTX, for kernel_ir.tar.gz
+    if name == "smem":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}"
-                            " --xla_dump_hlo_module_re=.*gpu_call.*").strip()
+                            " --xla_dump_hlo_module_re=.*gpu_call.* --xla_dump_emitter_re=triton-to-llvm"
+                            " --xla_gpu_dump_llvmir=true").strip()
     return env
 
 

@@ -274,6 +274,21 @@ def triton_module_text(case, monkeypatch, capfd, **kw):
     return capfd.readouterr().out
 
 
+def test_triton_ir_reads_as_text_from_the_lowering():
+    """``testing.triton_modules`` prints the Triton module Pallas serializes into the custom call
+    XLA compiles (what the device check writes next to its JSON): the kernel function, its two
+    dots, the same module pallas_call's debug print shows."""
+    from jaxrunner.kernels.testing import triton_modules
+
+    case = case_of("mixed_d64_p8_f32_gqa3")
+    lowered = lower(functools.partial(ragged_paged_attention_pallas, sm_scale=0.1, variant="gpu",
+                                      interpret=False), case, "cuda")
+    (text,) = triton_modules(lowered)
+    assert "tt.func public @ragged_paged_attention_triton" in text
+    assert len([line for line in text.splitlines() if "tt.dot " in line]) == 2
+    assert "pallas_kernel.py" in text  # source locations kept
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_float32_triton_dots_are_full_precision(monkeypatch, capfd, num_splits):
     """A float32 cache's dots carry no TF32: Triton's default for f32 ``tt.dot`` is TF32 unless
