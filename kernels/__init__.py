@@ -31,7 +31,8 @@ else:
         "MatmulKernels": "platform_support", "capabilities": "platform_support",
         "choose_matmuls": "platform_support", "onednn_unavailable": "platform_support",
         "choose_impl": "dispatch", "ragged_paged_attention": "dispatch", "resolve_impl": "dispatch",
-        "write_kv_and_attend": "dispatch", "kv_pool_shapes": "dispatch",
+        "write_kv_and_attend": "dispatch", "kv_pool_shapes": "dispatch", "kv_pools": "dispatch",
+        "kv_from_pools": "dispatch",
         "write_kv_pages": "kv_write",
         # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",

@@ -90,6 +90,19 @@ def kv_pool_shapes(impl: str, num_pages: int, page_size: int, num_kv_heads: int,
     return ((num_pages, page_size, num_kv_heads, head_dim),) * 2
 
 
+def kv_pools(impl: str, k_pages, v_pages) -> tuple:
+    """K and V pools [P, page_size, Hkv, D] as one layer's cache in :func:`kv_pool_shapes`' layout
+    for ``impl``: ``(k_pages, v_pages)``, or for ``jax_tpu`` its one K/V-interleaved pool."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    return (jax_tpu.interleave_kv(k_pages, v_pages),) if impl == "jax_tpu" else (k_pages, v_pages)
+
+
+def kv_from_pools(pools: tuple) -> tuple:
+    """``(k_pages, v_pages)`` of one layer's cache in either layout (:func:`kv_pools` undone)."""
+    return jax_tpu.deinterleave_kv(pools[0]) if len(pools) == 1 else tuple(pools)
+
+
 def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale, sliding_window,
            soft_cap):
     if q.ndim != 3 or k_pages.ndim != 4:

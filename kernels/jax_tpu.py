@@ -61,16 +61,26 @@ def heads_refused(num_kv_heads: int, num_q_heads: int | None = None, kv_dtype=No
     return f"jax's TPU kernel does not tile {heads}: {rule}"
 
 
+def interleave_kv(k_pages, v_pages):
+    """Two pools [P, page_size, Hkv, D] as jax's one [P, page_size, 2 * Hkv, D], K at even heads."""
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    kv = jnp.stack([k_pages, v_pages], axis=3)  # [P, page, Hkv, 2, D]
+    return kv.reshape(num_pages, page_size, 2 * num_kv_heads, head_dim)
+
+
+def deinterleave_kv(kv_pages):
+    """jax's combined pool [P, page_size, 2 * Hkv, D] as its K and V pools (:func:`interleave_kv`
+    undone)."""
+    return kv_pages[:, :, 0::2], kv_pages[:, :, 1::2]
+
+
 def combined_pages(k_pages, v_pages, page_indices):
     """The batch's pages as one K/V-interleaved pool and the page table renumbered into it (the
     two-pool path only; an engine running ``jax_tpu`` keeps its cache combined)."""
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     n_seq, width = page_indices.shape
-    pages = jnp.clip(jnp.asarray(page_indices, jnp.int32).reshape(-1), 0, num_pages - 1)
-    kv = jnp.stack([k_pages[pages], v_pages[pages]], axis=3)  # [S*W, page, Hkv, 2, D]
-    kv = kv.reshape(n_seq * width, page_size, 2 * num_kv_heads, head_dim)
+    pages = jnp.clip(jnp.asarray(page_indices, jnp.int32).reshape(-1), 0, k_pages.shape[0] - 1)
     local = jnp.arange(n_seq * width, dtype=jnp.int32).reshape(n_seq, width)
-    return kv, local
+    return interleave_kv(k_pages[pages], v_pages[pages]), local
 
 
 def _block_sizes(num_tokens: int, width: int, kv_block=None, q_block=None):

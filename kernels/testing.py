@@ -134,3 +134,37 @@ def lowering_context(platform: str):
     mesh = AbstractMesh((1,), ("lowering",), axis_types=(AxisType.Explicit,),
                         abstract_device=device)
     return jax.sharding.use_abstract_mesh(mesh)
+
+
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+
+
+def triton_modules(lowered) -> list[str]:
+    """The Triton IR of every Pallas Triton kernel in ``lowered`` (a ``jax.stages.Lowered`` for
+    cuda), as MLIR text with source locations.
+
+    Pallas hands XLA each kernel as a custom call whose backend config carries the Triton module
+    serialized as MLIR bytecode (``ir``); that is what XLA compiles, so this is the kernel as the
+    device gets it. jax has no public way to print it: the bytecode is parsed in a context of
+    jax's dialects plus Triton's (private ``jax._src`` names, as Pallas itself uses)."""
+    from jax._src.interpreters import mlir as jax_mlir  # lazy: private, only this debugging aid needs them
+    from jax._src.lib.triton import dialect as triton_dialect
+    from jax.extend.mlir import ir
+
+    blobs = []
+
+    def visit(operation) -> None:
+        for region in operation.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    attrs = op.operation.attributes
+                    if (op.operation.name == "stablehlo.custom_call"
+                            and ir.StringAttr(attrs["call_target_name"]).value == TRITON_CALL_TARGET):
+                        blobs.append(ir.StringAttr(ir.DictAttr(attrs["mhlo.backend_config"])["ir"]).value_bytes)
+                    visit(op.operation)
+
+    visit(lowered.compiler_ir("stablehlo").operation)
+    context = jax_mlir.make_ir_context()
+    triton_dialect.register_dialect(context)
+    return [ir.Module.parse(blob, context=context).operation.get_asm(enable_debug_info=True, pretty_debug_info=True)
+            for blob in blobs]

@@ -2,25 +2,30 @@
 """One prepared accelerator run: ceilings, shared memory, kernel correctness, kernel speed, the
 engine end to end.
 
-Each section runs in a process of its own under a time budget (``SECTION_BUDGET_S``; the sum is
-about 5 minutes on one H200): a hang costs its section only, and a sticky CUDA error cannot break
-the sections after it. The driver never touches the device itself; it merges every section's
-records into ``$OUT/device_check.json`` as soon as the section ends (a section writes its part
-after every record, so one cut short by its budget still keeps what it measured).
+Each section runs in a process of its own under a time budget (``SECTION_BUDGET_S``): a hang
+costs its section only, and a sticky CUDA error cannot break the sections after it. The driver
+never touches the device itself; it merges every section's records into
+``$OUT/device_check.json`` as soon as the section ends (a section writes its part after every
+record, so one cut short by its budget still keeps what it measured).
 
 * ``ceilings``: HBM copy bandwidth (an elementwise op over a 2 GiB buffer, back-to-back calls,
   one sync) and bf16 matmul TFLOP/s, measured in the same run as everything they scale;
 * ``smem``: the Triton kernel compiled alone for head_dim 64/128/256, bf16 and float32, decode
   and prefill tiles, both as the shared-memory budget chooses its tiles and with the unbudgeted
   defaults: compile success against ``pallas_kernel.shared_memory_estimate``, the bytes Triton
-  asks for when it refuses, and, for any PTX XLA dumps, registers and spills from ``ptxas``. The
-  kernels' StableHLO (the Triton IR serialized inside), optimized HLO and any PTX go to
-  ``$OUT/kernel_ir.tar.gz`` (on the H200, jax 0.11.2, XLA dumped no PTX for them);
+  asks for when it refuses, and, for any PTX XLA dumps, registers and spills from ``ptxas``. To
+  ``$OUT/kernel_ir.tar.gz`` go each kernel's Triton IR as MLIR text (``triton_ir/``, taken from
+  the lowering: ``kernels.testing.triton_modules``, checked on CPU too), its StableHLO and
+  optimized HLO, and what the XLA flags of ``_child_env`` make XLA dump. On the H200 (jax
+  0.11.2) XLA dumped no PTX with ``--xla_dump_to`` alone: its sources show Pallas kernels
+  compiled one by one outside the module's PTX dump. ``--xla_dump_emitter_re=triton-to-llvm``
+  (XLA's log of the Triton pipeline's IR, pass by pass) and ``--xla_gpu_dump_llvmir`` are set
+  for the next run; whether they yield the PTX is unverified until a device runs them;
 * ``correctness``: the auto-chosen kernel (compiled, not interpreted), forced split-KV and the
   XLA path against the reference on the device: fixed cases (GQA 1..8, pages 8..128, head_dim
   64/128, window, soft cap) and fuzzed ragged batches whose unowned cache slots hold NaN; errors
-  judged by ``kernels.tolerance.attention_tolerance`` from each case's largest score. Jitted
-  functions are reused across cases, and the reference runs once per case;
+  judged by ``kernels.tolerance.attention_tolerance`` from each case's largest score. Every
+  distinct program compiles once, ahead, in a thread pool; the reference runs once per case;
 * ``decode``: bf16, 32 query / 8 KV heads, head_dim 128, page 16: 64 x 2048, 8 x 8192 and
   1 x 32768 tokens, as achieved bandwidth / copy bandwidth, for the whole call and for the
   Triton kernel alone on prepared inputs (the wrapper's share is the difference), timed as many
@@ -32,6 +37,30 @@ after every record, so one cut short by its budget still keeps what it measured)
   tokenizer in ``scripts/device_assets/`` (no hub), start-up with the warm-up self-check, zero
   compiles while serving, throughput of 64 requests against transformers on the same device.
 
+Budgets, 295 s in all (at most 5 minutes on one H200), from the section wall times of the last
+two H200 runs (``benchmarks/device/nvidia-h200-2026-12-04-*.json``, ``wall_s``):
+
+* unchanged sections, the larger measured time plus about 20%: ``decode`` 37-40 s -> 48,
+  ``prefill`` 10-22 s -> 27, ``mixed`` 10 s -> 15, ``ceilings`` 6-7 s -> 10 (its process start
+  and JAX import are most of it);
+* ``smem`` measured 42-53 s, nearly all of it ~27 kernel compiles one after another (the
+  records' ``compile_s``: 0.4-7.5 s each, ~50 s together). They now compile in a thread pool,
+  one thread per core (16 on the device machine): the section should take its start-up plus
+  about its longest compile (< 20 s); 35 s leaves ~2x headroom for a compile time measured only
+  one at a time;
+* ``correctness`` measured 60-89 s (cut by its 60 s budget once), mostly ~84 Triton and XLA
+  compiles (float32 Triton ones the slowest) one after another. All compile ahead in the pool;
+  the cases then run one after another as their programs are ready: a sixth of the compile
+  time plus start-up and runs, ~25 s; 60 s leaves ~2x headroom;
+* ``engine`` measured 96 s: start-up 72 s, of which warm-up 47 s compiling 20 buckets (tokens
+  64..1024 x sequences 1..64). Token buckets 64..256 now hold the 64 x 128/128 workload (a
+  decode step of 64 sequences fills the smallest unpadded), so warm-up compiles 12 programs
+  and not the largest ones, which should cut start-up by about half; 100 s still covers the
+  measured 96 s.
+
+The pooled compiles and the smaller bucket plan are not yet measured on a device: the next H200
+run's ``wall_s`` should confirm the budgets or replace them.
+
 ``--smoke`` runs every section on CPU with tiny shapes and the Pallas kernel interpreted (the
 ``smem`` section lowers instead of compiling), to prove the script itself end to end
 (tests/test_device_check.py).
@@ -39,6 +68,7 @@ after every record, so one cut short by its budget still keeps what it measured)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import importlib.util
@@ -102,8 +132,9 @@ HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="
 SMOKE_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="bfloat16")
 
 
-# section -> seconds it may take, smoke mode scaled by SMOKE_BUDGET_SCALE (CPU, Pallas interpreted)
-SECTION_BUDGET_S = {"ceilings": 20, "smem": 60, "correctness": 120, "decode": 50, "prefill": 25,
+# section -> seconds it may take (derivation in the module docstring), smoke mode scaled by
+# SMOKE_BUDGET_SCALE (CPU, Pallas interpreted)
+SECTION_BUDGET_S = {"ceilings": 10, "smem": 35, "correctness": 60, "decode": 48, "prefill": 27,
                     "mixed": 15, "engine": 100}
 SMOKE_BUDGET_SCALE = 8
 SWEEP_SHARE = 0.7  # sweep points that would start past this share of the section's budget are skipped
@@ -193,6 +224,27 @@ def past_share(args, share: float = SWEEP_SHARE) -> bool:
     return time.time() - args.section_t0 > share * args.section_budget_s
 
 
+def compile_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for compiling ahead of running: XLA's compile releases the GIL, so the machine's
+    cores (16 on the device machine) compile that many programs at once."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                 thread_name_prefix="compile")
+
+
+def compile_ahead(pool, calls: dict) -> dict:
+    """``calls``: key -> (jitted function, its device arguments). Submits one
+    ``lower(...).compile()`` per distinct (function, argument shapes and dtypes) to ``pool`` and
+    returns key -> the future of its executable, so the caller can run each call, one after
+    another, as soon as its program is ready."""
+    futures, programs = {}, {}
+    for key, (fn, fn_args) in calls.items():
+        program = (fn, tuple((a.shape, str(a.dtype)) for a in fn_args))
+        if program not in programs:
+            programs[program] = pool.submit(lambda fn=fn, fn_args=fn_args: fn.lower(*fn_args).compile())
+        futures[key] = programs[program]
+    return futures
+
+
 # ------------------------------------------------------------------------------------------
 # sections
 # ------------------------------------------------------------------------------------------
@@ -227,29 +279,21 @@ UNBUDGETED = 1 << 30  # shared_memory_bytes that lets any tile through: what Tri
 
 
 def smem(args, report, part):
-    """Compile the Triton kernel alone, budgeted and unbudgeted, and compare with the estimate."""
+    """Compile the Triton kernel alone, budgeted and unbudgeted, and compare with the estimate.
+    The points compile concurrently (``compile_pool``); each is recorded as it finishes."""
     import jax
 
     from jaxrunner.kernels import pallas_kernel
-    from jaxrunner.kernels.testing import lowering_context, make_case
 
     limit = pallas_kernel.shared_memory_limit()
     part.update(limit_bytes=limit, compute_capability=str(getattr(jax.devices()[0], "compute_capability", None)))
-    points = [(d, dtype, tile, budget, {}) for d in (SMEM_HEAD_DIMS[-1:] if args.smoke else SMEM_HEAD_DIMS)
-              for dtype in ("float32", "bfloat16") for tile in SMEM_TILES for budget in ("budgeted", "unbudgeted")]
-    points += [(d, dtype, tile, "unbudgeted", dict(block_k=bk, num_stages=st))
-               for d, dtype, tile, bk, st in ([] if args.smoke else SMEM_STRESS)]
-    for head_dim, dtype, tile, budget, tiles in points:
-        name = f"d{head_dim} {dtype} {tile} {budget} {tiles or ''}"
-        if past_share(args, 0.85):
-            part.add(name, dict(skipped="time budget"))
-            continue
-        q_lens, kv_lens = SMEM_TILES[tile]
-        case = make_case(np.random.default_rng(head_dim), q_lens, kv_lens, num_q_heads=8,
-                         num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype, poison=False)
-        shared = limit if budget == "budgeted" else UNBUDGETED
-        rec = guarded(lambda: _compile_kernel(case, shared, limit, args, lowering_context, **tiles))
-        part.add(name, dict(head_dim=head_dim, dtype=dtype, tile=tile, budget=budget, **rec))
+    with compile_pool() as pool:
+        pending = {pool.submit(guarded, functools.partial(_compile_point, point, limit, args)): point
+                   for point in _smem_points(args.smoke)}
+        for done in concurrent.futures.as_completed(pending):
+            head_dim, dtype, tile, budget, tiles = pending[done]
+            part.add(f"d{head_dim} {dtype} {tile} {budget} {tiles or ''}",
+                     dict(head_dim=head_dim, dtype=dtype, tile=tile, budget=budget, **done.result()))
     records = [r for r in part["records"] if "budget" in r]
     part["ok"] = all(r.get("compiled", r.get("lowered")) for r in records if r["budget"] == "budgeted")
     part["estimate_agrees"] = all(
@@ -258,13 +302,36 @@ def smem(args, report, part):
     part.save()
 
 
-def _compile_kernel(case, shared, limit, args, lowering_context, **tiles) -> dict:
+def _smem_points(smoke: bool) -> list[tuple]:
+    """(head_dim, dtype, tile, budgeted or not, fixed tiles) of every kernel the section compiles."""
+    points = [(d, dtype, tile, budget, {}) for d in (SMEM_HEAD_DIMS[-1:] if smoke else SMEM_HEAD_DIMS)
+              for dtype in ("float32", "bfloat16") for tile in SMEM_TILES for budget in ("budgeted", "unbudgeted")]
+    return points + [(d, dtype, tile, "unbudgeted", dict(block_k=bk, num_stages=st))
+                     for d, dtype, tile, bk, st in ([] if smoke else SMEM_STRESS)]
+
+
+def _compile_point(point, limit, args) -> dict:
+    """One ``_smem_points`` point: its case, and the kernel compiled alone for it."""
+    from jaxrunner.kernels.testing import make_case
+
+    head_dim, dtype, tile, budget, tiles = point
+    q_lens, kv_lens = SMEM_TILES[tile]
+    case = make_case(np.random.default_rng(head_dim), q_lens, kv_lens, num_q_heads=8,
+                     num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype, poison=False)
+    shared = limit if budget == "budgeted" else UNBUDGETED
+    ir_name = "_".join([f"d{head_dim}", dtype, tile, budget] + [f"{k}{v}" for k, v in tiles.items()])
+    return _compile_kernel(case, shared, limit, args, ir_name, **tiles)
+
+
+def _compile_kernel(case, shared, limit, args, ir_name: str, **tiles) -> dict:
     """Compile (smoke: lower for cuda) the kernel alone for ``case``; the tiles it got, the
-    estimate, and what Triton said if it refused."""
+    estimate, the files its Triton IR went to (``_write_triton_ir``), and what Triton said if it
+    refused. ``compile_s`` is wall time, with other points compiling beside it."""
     import jax
     import jax.numpy as jnp
 
     from jaxrunner.kernels import pallas_kernel
+    from jaxrunner.kernels.testing import lowering_context
 
     dev = [jax.device_put(a) for a in case.args()]
     kernel, inputs = pallas_kernel.gpu_kernel_alone(dev, sm_scale=case.q.shape[-1] ** -0.5,
@@ -277,11 +344,13 @@ def _compile_kernel(case, shared, limit, args, lowering_context, **tiles) -> dic
     if args.smoke:  # no GPU: lowering is what can be checked
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
         with lowering_context("cuda"):
-            kernel.trace(*shapes).lower(lowering_platforms=("cuda",))
-        return dict(rec, lowered=True)
+            lowered = kernel.trace(*shapes).lower(lowering_platforms=("cuda",))
+        return dict(rec, lowered=True, triton_ir=guarded(lambda: _write_triton_ir(lowered, ir_name, args)))
+    lowered = kernel.lower(*inputs)
+    rec["triton_ir"] = guarded(lambda: _write_triton_ir(lowered, ir_name, args))
     start = time.perf_counter()
     try:
-        kernel.lower(*inputs).compile()
+        lowered.compile()
     except Exception as e:  # noqa: BLE001 - a refusal is the measurement
         text = str(e)
         asked = [int(n) for n in re.findall(r"(?:[Rr]equired|requested|[Rr]equest)[^0-9]{0,20}(\d{4,})", text)]
@@ -290,9 +359,25 @@ def _compile_kernel(case, shared, limit, args, lowering_context, **tiles) -> dic
     return dict(rec, compiled=True, compile_s=time.perf_counter() - start)
 
 
+def _write_triton_ir(lowered, name: str, args) -> list[str]:
+    """The Triton IR of the kernels in ``lowered`` (``kernels.testing.triton_modules``) as text
+    files under the dump folder, for ``kernel_ir.tar.gz``; their paths there."""
+    from jaxrunner.kernels.testing import triton_modules
+
+    folder = pathlib.Path(args.dump_dir) / "triton_ir"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, text in enumerate(triton_modules(lowered)):
+        path = folder / f"{name}.{i}.ttir.mlir"
+        path.write_text(text)
+        written.append(str(path.relative_to(args.dump_dir)))
+    return written
+
+
 def _ptxas_stats(args) -> dict:
     """Registers, spills and static shared memory per dumped kernel (``ptxas -v``), and the
-    kernels' PTX and optimized HLO as ``$OUT/kernel_ir.tar.gz``."""
+    kernels' Triton IR, StableHLO, optimized HLO, XLA's Triton pass log and any PTX as
+    ``$OUT/kernel_ir.tar.gz``."""
     dump = pathlib.Path(args.dump_dir) if args.dump_dir else None
     if dump is None or not dump.is_dir():
         return dict(skipped="no XLA dump")
@@ -300,8 +385,10 @@ def _ptxas_stats(args) -> dict:
     kinds = sorted({re.sub(r"^module_\d+\.", "", f.name) for f in files})
     with tarfile.open(pathlib.Path(args.out) / "kernel_ir.tar.gz", "w:gz") as tar:
         for f in files:
-            wanted = f.suffix in (".ptx", ".ll", ".mlir", ".ttir", ".ttgir") or f.name.endswith("after_optimizations.txt")
-            if wanted and f.stat().st_size < (1 << 20):
+            pass_log = f.name.endswith(TRITON_PASS_LOG)  # the IR before each pass: large, and compresses well
+            wanted = (f.suffix in (".ptx", ".ll", ".mlir", ".ttir", ".ttgir") or pass_log
+                      or f.name.endswith("after_optimizations.txt"))
+            if wanted and f.stat().st_size < (16 << 20 if pass_log else 1 << 20):
                 tar.add(f, arcname=f.relative_to(dump))
     ptxas = shutil.which("ptxas") or next((str(p) for p in pathlib.Path("/usr/local").glob("cuda*/bin/ptxas")), None)
     stats = {}
@@ -344,15 +431,14 @@ def _frozen(d: dict) -> tuple:
     return tuple(sorted(d.items()))
 
 
-def _compare(impl, case, attn, want, args, **options) -> dict:
-    import jax
+def _compare(impl, case, attn, got, want) -> dict:
+    """``got`` (impl's output for ``case``) against ``want`` (the reference's, float32) over the
+    live tokens, judged by ``kernels.tolerance``."""
     import jax.numpy as jnp
 
     from jaxrunner.kernels.tolerance import attention_tolerance, dot_format
 
-    dev = [jax.device_put(a) for a in case.args()]
     sm = case.q.shape[-1] ** -0.5
-    got = _attention(impl, sm, args.smoke, _frozen(options), _frozen(attn))(*dev)
     n = case.num_live_tokens
     got = np.asarray(got.astype(jnp.float32))
     err = float(np.max(np.abs(got[:n] - want[:n]), initial=0.0))
@@ -364,15 +450,6 @@ def _compare(impl, case, attn, want, args, **options) -> dict:
     finite = bool(np.isfinite(got).all())
     return dict(dtype=str(dtype), dot_format=dot_format(impl, dtype), max_abs_err=err,
                 max_abs_score=score, tolerance=tol, all_finite=finite, ok=finite and err <= tol)
-
-
-def _reference(case, attn, args):
-    import jax
-    import jax.numpy as jnp
-
-    dev = [jax.device_put(a) for a in case.args()]
-    out = _attention("reference", case.q.shape[-1] ** -0.5, args.smoke, (), _frozen(attn))(*dev)
-    return np.asarray(out.astype(jnp.float32))
 
 
 def fuzz_case(rng, smoke: bool):
@@ -398,6 +475,39 @@ def fuzz_case(rng, smoke: bool):
 
 
 def correctness(args, report, part):
+    """Every case's reference and implementations compile ahead, concurrently (``compile_ahead``);
+    the cases then run one after another, each as soon as its programs are ready."""
+    import jax
+    import jax.numpy as jnp
+
+    cases = _correctness_cases(args)
+    calls, inputs = {}, {}
+    for name, case, attn, impls in cases:
+        inputs[name] = [jax.device_put(a) for a in case.args()]
+        sm = case.q.shape[-1] ** -0.5
+        for impl, options in [("reference", {})] + impls:
+            calls[name, impl, _frozen(options)] = (
+                _attention(impl, sm, args.smoke, _frozen(options), _frozen(attn)), inputs[name])
+    with compile_pool() as pool:
+        programs = compile_ahead(pool, calls)
+
+        def run(name, impl, options=()):
+            return programs[name, impl, options].result()(*inputs[name])
+
+        for name, case, attn, impls in cases:
+            want = guarded(lambda: np.asarray(run(name, "reference").astype(jnp.float32)))
+            for impl, options in impls:
+                rec = want if isinstance(want, dict) else guarded(
+                    lambda: _compare(impl, case, attn, run(name, impl, _frozen(options)), want))
+                part.add(f"{name} {impl} {options}", dict(
+                    case=name, impl=impl, options=options, attn=attn, q_lens=case.q_lens,
+                    kv_lens=case.live_kv_lens, **rec))
+    part["ok"] = all(r.get("ok") for r in part["records"])
+    part.save()
+
+
+def _correctness_cases(args) -> list[tuple]:
+    """(name, case, attention options, [(impl, tuning options)]): the fixed cases, then the fuzzed."""
     from jaxrunner.kernels.testing import make_case
 
     impls = [("pallas", {}), ("pallas", dict(num_splits=4)), ("xla", {})]
@@ -410,16 +520,7 @@ def correctness(args, report, part):
     for i in range(args.fuzz):
         case, attn = fuzz_case(rng, args.smoke)
         cases.append((f"fuzz{i}", case, attn, impls[:2]))
-    for name, case, attn, case_impls in cases:
-        want = guarded(lambda: _reference(case, attn, args))
-        for impl, options in case_impls:
-            rec = want if isinstance(want, dict) else guarded(
-                lambda: _compare(impl, case, attn, want, args, **options))
-            part.add(f"{name} {impl} {options}", dict(
-                case=name, impl=impl, options=options, attn=attn, q_lens=case.q_lens,
-                kv_lens=case.live_kv_lens, **rec))
-    part["ok"] = all(r.get("ok") for r in part["records"])
-    part.save()
+    return cases
 
 
 # ------------------------------------------------------------------------------------ speed
@@ -602,10 +703,12 @@ def engine(args, report, part):
         out = dict(checkpoint_build_s=time.perf_counter() - start, requests=count,
                    prompt_len=prompt_len, new_tokens=new_tokens)
         start = time.perf_counter()
-        # few buckets (tokens 64..1024, or 16..64 in smoke mode): start-up compiles stay short.
-        # Smoke mode serves through the (interpreted) Pallas kernel too, not CPU's native one.
-        llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=count,
-                  max_num_batched_tokens=64 if args.smoke else 1024,
+        # Token buckets 64, 128 and 256 (16..64 in smoke mode) under the sequence buckets 1, 4,
+        # 16, 64: start-up compiles 12 programs, not 20, and none of the largest. A decode step
+        # of the 64 sequences fills the smallest bucket unpadded; chunked prefill spreads the
+        # prompts over steps of 256. Smoke mode serves through the (interpreted) Pallas kernel
+        # too, not CPU's native one.
+        llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=count, max_num_batched_tokens=64 if args.smoke else 256,
                   min_token_bucket=16 if args.smoke else 64, max_num_prefill_seqs=4,
                   max_model_len=prompt_len + new_tokens + 16, progress=False, compilation_cache_dir=None,
                   attention_impl="pallas" if args.smoke else "auto")
@@ -724,11 +827,19 @@ def run_section(args) -> int:
     return 0
 
 
+TRITON_PASS_LOG = "triton-to-llvm.txt"  # XLA's log of the IR before each pass of its Triton pipeline
+
+
 def _child_env(name: str, dump_dir: pathlib.Path) -> dict:
+    """The section's environment. ``smem`` gets XLA dump flags, for kernel_ir.tar.gz: the kernels'
+    StableHLO and optimized HLO (``--xla_dump_to``, limited to them), XLA's Triton pass log
+    (``--xla_dump_emitter_re``: XLA compiles each Pallas kernel through its ``triton-to-llvm``
+    pipeline and logs the IR before every pass) and its LLVM IR and PTX (``--xla_gpu_dump_llvmir``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if name == "smem":  # the kernels' StableHLO, HLO and any PTX, for kernel_ir.tar.gz
+    if name == "smem":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}"
-                            " --xla_dump_hlo_module_re=.*gpu_call.*").strip()
+                            " --xla_dump_hlo_module_re=.*gpu_call.* --xla_dump_emitter_re=triton-to-llvm"
+                            " --xla_gpu_dump_llvmir=true").strip()
     return env
 
 

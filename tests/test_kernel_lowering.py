@@ -154,6 +154,27 @@ def jax_tpu_layer(q, k, v, pools, *meta):
     return kernels.write_kv_and_attend(q, k, v, pools, *meta, sm_scale=0.1, impl="jax_tpu")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_combined_pool_layout_round_trips_against_two_pools(dtype):
+    """``kernels.kv_pools("jax_tpu", k, v)`` is jax's layout (the one ``kv_pool_shapes`` gives,
+    K at even heads), ``kv_from_pools`` undoes it, and the step's write into the combined pool
+    is the two-pool write, interleaved (on this CPU; the kernel reading it needs a TPU)."""
+    from jaxrunner.kernels.kv_write import write_kv_pages_combined
+
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((9, 8, 2, 128)), dtype) for _ in range(2))
+    (pool,) = kernels.kv_pools("jax_tpu", k, v)
+    assert pool.shape == kernels.kv_pool_shapes("jax_tpu", 9, 8, 2, 128)[0]
+    assert np.array_equal(pool[:, :, 0::2], k) and np.array_equal(pool[:, :, 1::2], v)
+    assert all(np.array_equal(a, b) for a, b in zip(kernels.kv_from_pools((pool,)), (k, v)))
+    assert kernels.kv_pools("xla", k, v) == (k, v) and kernels.kv_from_pools((k, v)) == (k, v)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((5, 2, 128)), dtype) for _ in range(2))
+    slots = jnp.asarray([8, 9, 30, 71, 40], jnp.int32)
+    combined = kernels.kv_from_pools((write_kv_pages_combined(pool, k_new, v_new, slots),))
+    two_pools = kernels.write_kv_pages(k, v, k_new, v_new, slots)
+    assert all(np.array_equal(a, b) for a, b in zip(combined, two_pools))
+
+
 def pool_sized_ops(lowered, pool_elements: int) -> set[str]:
     """The ops of a lowered module (its StableHLO, nested regions included) with a result of at
     least a quarter of a pool: any copy of the batch's pages has one."""
@@ -251,6 +272,21 @@ def triton_module_text(case, monkeypatch, capfd, **kw):
     lower(functools.partial(ragged_paged_attention_pallas, sm_scale=0.1, variant="gpu",
                             interpret=False, **kw), case, "cuda")
     return capfd.readouterr().out
+
+
+def test_triton_ir_reads_as_text_from_the_lowering():
+    """``testing.triton_modules`` prints the Triton module Pallas serializes into the custom call
+    XLA compiles (what the device check writes next to its JSON): the kernel function, its two
+    dots, the same module pallas_call's debug print shows."""
+    from jaxrunner.kernels.testing import triton_modules
+
+    case = case_of("mixed_d64_p8_f32_gqa3")
+    lowered = lower(functools.partial(ragged_paged_attention_pallas, sm_scale=0.1, variant="gpu",
+                                      interpret=False), case, "cuda")
+    (text,) = triton_modules(lowered)
+    assert "tt.func public @ragged_paged_attention_triton" in text
+    assert len([line for line in text.splitlines() if "tt.dot " in line]) == 2
+    assert "pallas_kernel.py" in text  # source locations kept
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -114,3 +114,92 @@ def test_warmup_contexts_are_bounded_but_one_decode_spans_the_table():
         assert len(over) <= 1 and all(q_lens[i] == 1 for i in over)
         reached_far |= bool(np.any(context > 256))
     assert reached_far
+
+
+def test_self_check_case_gives_every_sequence_pages_of_its_own():
+    """The self-check compares the written caches exactly: no two live tokens may write one slot."""
+    from jaxrunner.runner.warmup import self_check_case
+
+    for seed in range(10):
+        meta = self_check_case(Bucket(64, 8, 16), 8, 4, 2, 64, "float32", jax.random.key(seed)).meta
+        live = np.diff(meta.cu_q_lens)[: int(meta.num_seqs)].sum()
+        pages = [meta.page_indices[s, : -(-int(meta.kv_lens[s]) // 8)] for s in range(int(meta.num_seqs))]
+        owned = np.concatenate(pages)
+        assert np.all(owned > 0) and len(set(owned.tolist())) == len(owned)
+        assert len(set(meta.slot_mapping[:live].tolist())) == live
+
+
+def test_self_check_runs_jax_tpu_through_the_combined_pool_serving_uses():
+    """For ``jax_tpu`` the self-check calls what a served layer calls, ``write_kv_and_attend``
+    over jax's one K/V-interleaved pool (``kernels.kv_pool_shapes``), holding the reference's K
+    and V; lowered for TPU it is the scatter into that pool and jax's kernel reading it where it
+    lies, as in the engine (jax's kernel runs on TPU only: this CPU lowers it)."""
+    from jaxrunner import kernels
+    from jaxrunner.kernels import jax_tpu
+    from jaxrunner.kernels.testing import lowering_context
+    from jaxrunner.runner import warmup
+
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    case = warmup.self_check_case(Bucket(32, 4, 8), 16, 8, 2, 128, "bfloat16", jax.random.key(0))
+    args = case.layer_args("jax_tpu")
+    (pool,) = args[3]
+    assert pool.shape == kernels.kv_pool_shapes("jax_tpu", case.k_pages.shape[0], 16, 2, 128)[0]
+    k_pages, v_pages = kernels.kv_from_pools(args[3])
+    assert np.array_equal(k_pages, case.k_pages) and np.array_equal(v_pages, case.v_pages)
+    assert case.layer_args("reference")[3] == (case.k_pages, case.v_pages)
+    with lowering_context("tpu"):
+        text = warmup._checked_layer.trace(*args, sm_scale=0.1, impl="jax_tpu", max_prefill_seqs=None).lower(
+            lowering_platforms=("tpu",)).as_text()
+    pool_type = "tensor<{}xbf16>".format("x".join(map(str, pool.shape)))
+    kernel_call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
+    assert pool_type in kernel_call and "stablehlo.scatter" in text and "stablehlo.gather" not in text
+
+
+@pytest.fixture
+def tpu_kernel_on_cpu(monkeypatch):
+    """jax's TPU kernel runs on TPU only: ``install(swap_kv)`` stands jax's own reference of the
+    same kernel (``ref_ragged_paged_attention``, same layout and contract) in for it, so the
+    self-check's ``jax_tpu`` path runs here end to end: the combined pool, the write into it, the
+    wrapper's page handling. ``swap_kv``: read the pool with K and V swapped, a miscompiled layout.
+    JAX's caches are cleared around it: what was traced with the stand-in must not outlive it."""
+    from jaxrunner.kernels import jax_tpu
+
+    if jax_tpu.available() is not None:
+        pytest.skip(jax_tpu.available())
+    import jax.experimental.pallas.ops.tpu.ragged_paged_attention as jax_rpa
+
+    def install(swap_kv: bool = False) -> None:
+        def reference_kernel(q, kv_pages, *meta, num_kv_pages_per_block=None, num_queries_per_block=None, **kw):
+            if swap_kv:
+                kv_pages = kv_pages.reshape(*kv_pages.shape[:2], -1, 2, kv_pages.shape[-1])[..., ::-1, :].reshape(
+                    kv_pages.shape)
+
+            def on_host(*arrays):  # the reference loops over the live sequences: it needs concrete values
+                live = np.asarray(jax_rpa.ref_ragged_paged_attention(*arrays, **kw), q.dtype)  # live tokens only
+                return np.concatenate([live, np.zeros((q.shape[0] - len(live), *q.shape[1:]), q.dtype)])
+
+            return jax.pure_callback(on_host, jax.ShapeDtypeStruct(q.shape, q.dtype), q, kv_pages, *meta)
+
+        monkeypatch.setattr(jax_rpa, "ragged_paged_attention", reference_kernel)
+        jax.clear_caches()
+
+    yield install
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_self_check_runs_the_jax_tpu_path_end_to_end(tpu_kernel_on_cpu, dtype):
+    from jaxrunner.runner.warmup import attention_self_check
+
+    tpu_kernel_on_cpu()
+    error = attention_self_check("jax_tpu", Bucket(32, 4, 8), 16, 8, 2, 128, dtype, jax.random.key(1), 4)
+    assert error <= (1e-5 if dtype == "float32" else 3e-2)
+
+
+def test_self_check_stops_a_jax_tpu_path_that_reads_its_pool_wrong(tpu_kernel_on_cpu):
+    from jaxrunner.runner.warmup import attention_self_check
+
+    tpu_kernel_on_cpu(swap_kv=True)
+    with pytest.raises(StartupError, match="'jax_tpu' differs from the reference"):
+        attention_self_check("jax_tpu", Bucket(32, 4, 8), 16, 8, 2, 128, "float32", jax.random.key(1), 4)

@@ -26,7 +26,7 @@ from jaxrunner.kernels.tolerance import attention_tolerance
 from jaxrunner.models import moe
 from jaxrunner.runner.buckets import Bucket
 from jaxrunner.runner.memory import StartupError
-from jaxrunner.runner.step_batch import StepBatch, lay_out, random_sampling_rows
+from jaxrunner.runner.step_batch import AttentionMetadata, StepBatch, lay_out, random_sampling_rows
 
 
 WARMUP_MAX_CONTEXT = 256       # cached tokens before a warm-up query (one decode per batch goes up to the full width)
@@ -70,6 +70,16 @@ def _random_query(rng: np.random.Generator, q_len: int, longest: int, page_size:
     return _RandomQuery(kv_len, pages, token_ids, int(rng.integers(1, kv_len + 1)))
 
 
+def _on_own_pages(rng: np.random.Generator, queries: list[_RandomQuery], num_pages: int) -> list[_RandomQuery]:
+    """``queries`` moved onto pages that no two of them share (drawn from the pool but page 0)."""
+    pages = rng.permutation(np.arange(1, num_pages))
+    starts = np.cumsum([0] + [len(query.pages) for query in queries])
+    if starts[-1] > len(pages):
+        raise ValueError(f"{starts[-1]} pages asked of a pool of {num_pages - 1} usable pages")
+    return [dataclasses.replace(query, pages=pages[start:end])
+            for query, start, end in zip(queries, starts[:-1], starts[1:])]
+
+
 def _random_drafts(rng: np.random.Generator, q_lens: np.ndarray, draft_rows: int) -> list[int]:
     """Proposals per query (speculative buckets): about half of the queries of 2+ tokens end in
     1..q-1 of them, while the bucket's draft rows last."""
@@ -83,7 +93,7 @@ def _random_drafts(rng: np.random.Generator, q_lens: np.ndarray, draft_rows: int
 
 def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages: int, vocab_size: int,
                        max_model_len: int, max_prefill_seqs: int | None = None,
-                       max_context: int | None = None, max_loras: int = 0) -> StepBatch:
+                       max_context: int | None = None, max_loras: int = 0, own_pages: bool = False) -> StepBatch:
     """A batch of ``bucket``'s shape filled with random but *valid* contents (see module docstring),
     laid out by ``step_batch.lay_out`` as served batches are. A quarter of the tokens read the
     previous step's sampled ids on the device (async scheduling); in about half of the batches,
@@ -93,7 +103,10 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
     ``max_context`` bounds the cached tokens before each query, except for the first decode,
     which still reaches anywhere up to the full page table: attention's cost follows the real
     context lengths, and a warm-up run need not pay for 16 sequences of the model's full length
-    (the executable, and so what is proven, is the same)."""
+    (the executable, and so what is proven, is the same).
+
+    ``own_pages``: every sequence on pages no other one uses, as served sequences write theirs
+    (the pool must hold them all), so no two live tokens write the same cache slot."""
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
     rng = np.random.default_rng(seed)
     num_seqs = int(rng.integers(1, bucket.num_seqs + 1))
@@ -104,6 +117,8 @@ def random_dummy_batch(key: jax.Array, bucket: Bucket, page_size: int, num_pages
                for s, q_len in enumerate(q_lens)]
     queries = [_random_query(rng, int(q_len), top, page_size, num_pages, vocab_size)
                for q_len, top in zip(q_lens, longest)]
+    if own_pages:
+        queries = _on_own_pages(rng, queries, num_pages)
     tokens = int(np.sum(q_lens))
     feed = np.where(rng.random(tokens) < 0.25, rng.integers(0, bucket.num_seqs, tokens), NO_FEED)
     sampling = random_sampling_rows(rng, [query.prompt_len for query in queries], vocab_size,
@@ -130,40 +145,76 @@ def zeros_dummy_batch(bucket: Bucket, page_size: int, vocab_size: int, lora: boo
 
 
 # ----------------------------------------------------------------------------- self-check
-# one jitted function for every engine of the process: a second start-up compiles the check again only for new shapes
-_checked_attention = jax.jit(kernels.ragged_paged_attention, static_argnames=("sm_scale", "impl", "max_prefill_seqs"))
+# one jitted layer for every engine of the process: a second start-up compiles the check again only for new shapes
+_checked_layer = jax.jit(kernels.write_kv_and_attend, static_argnames=("sm_scale", "impl", "max_prefill_seqs"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfCheckCase:
+    """One layer's step, as serving calls ``kernels.write_kv_and_attend``: the step's queries and
+    new K/V, the cache (two pools, ``k_pages``/``v_pages``) and the step's metadata."""
+
+    q: jax.Array                # [T, Hq, D]
+    k_new: jax.Array            # [T, Hkv, D]
+    v_new: jax.Array
+    k_pages: jax.Array          # [P, page_size, Hkv, D]
+    v_pages: jax.Array
+    meta: AttentionMetadata     # the step's slots, lengths and page table
+
+    def layer_args(self, impl: str) -> tuple:
+        """``write_kv_and_attend``'s positional arguments with the cache in the layout ``impl``
+        serves from (``kernels.kv_pools``: jax_tpu's one combined pool, else K and V apart)."""
+        meta = self.meta
+        return (self.q, self.k_new, self.v_new, kernels.kv_pools(impl, self.k_pages, self.v_pages),
+                meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+
+
+def self_check_case(bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype,
+                    key: jax.Array, max_prefill_seqs: int | None = None) -> SelfCheckCase:
+    """A random step of ``bucket``'s tokens and sequences, with a page table of at most
+    ``SELF_CHECK_MAX_PAGES`` (the reference is dense: at the model's full length its case alone
+    took seconds at every start), each sequence on pages of its own."""
+    bucket = Bucket(bucket.num_tokens, bucket.num_seqs, min(bucket.num_pages, SELF_CHECK_MAX_PAGES))
+    num_pages = bucket.num_seqs * bucket.num_pages + 1
+    dummy = random_dummy_batch(key, bucket, page_size, num_pages, 64, 1 << 30, max_prefill_seqs, own_pages=True)
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+
+    def normal(k, shape):
+        return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+
+    pool_shape, new_shape = (num_pages, page_size, num_kv_heads, head_dim), (bucket.num_tokens, num_kv_heads, head_dim)
+    return SelfCheckCase(q=normal(k1, (bucket.num_tokens, num_q_heads, head_dim)), k_new=normal(k2, new_shape),
+                         v_new=normal(k3, new_shape), k_pages=normal(k4, pool_shape), v_pages=normal(k5, pool_shape),
+                         meta=dummy.attention)
 
 
 def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int,
                          head_dim: int, dtype, key: jax.Array, max_prefill_seqs: int | None = None) -> float:
-    """Compare the serving attention impl with the reference on a random case of ``bucket``'s
-    tokens and sequences, with a page table of at most ``SELF_CHECK_MAX_PAGES`` (the reference is
-    dense: at the model's full length its case alone took seconds at every start).
+    """Run one layer's step through the entry point serving uses (``kernels.write_kv_and_attend``,
+    the cache in ``impl``'s own layout: one combined pool for ``jax_tpu``) and the reference over
+    the same K and V in two pools, on a random case (:func:`self_check_case`).
 
-    Catches a kernel that miscompiles on new hardware before any request sees it. Returns the max
-    abs difference; raises StartupError when it exceeds the tolerance that the cache dtype and the
-    precision of the impl's dots allow (``kernels.tolerance.attention_tolerance``: a multiple of
-    the dot format's unit roundoff times max|v|, plus float32 accumulation over the longest
-    sequence): about 1e-6 for float32 caches on full-precision dots, 2e-3 on TF32, 0.07 for
-    bfloat16 caches.
+    Catches a kernel (or a cache write) that miscompiles on new hardware before any request sees
+    it. Returns the max abs difference of the outputs; raises StartupError when it exceeds the
+    tolerance that the cache dtype and the precision of the impl's dots allow
+    (``kernels.tolerance.attention_tolerance``: a multiple of the dot format's unit roundoff times
+    max|v|, plus float32 accumulation over the longest sequence): about 1e-6 for float32 caches
+    on full-precision dots, 2e-3 on TF32, 0.07 for bfloat16 caches; or when the written cache
+    differs from the reference's write anywhere but the scratch page (writes are copies: exact).
     """
-    bucket = Bucket(bucket.num_tokens, bucket.num_seqs, min(bucket.num_pages, SELF_CHECK_MAX_PAGES))
-    num_pages = bucket.num_seqs * bucket.num_pages + 1
-    dummy = random_dummy_batch(key, bucket, page_size, num_pages, 64, 1 << 30, max_prefill_seqs)
-    k1, k2, k3 = jax.random.split(key, 3)
-    q = jax.random.normal(k1, (bucket.num_tokens, num_q_heads, head_dim), jnp.float32).astype(dtype)
-    pool_shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_pages = jax.random.normal(k2, pool_shape, jnp.float32).astype(dtype)
-    v_pages = jax.random.normal(k3, pool_shape, jnp.float32).astype(dtype)
-    meta = dummy.attention
-    args = (q, k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
-    outs = {}
+    case = self_check_case(bucket, page_size, num_q_heads, num_kv_heads, head_dim, dtype, key, max_prefill_seqs)
+    outs, caches = {}, {}
     for name in (impl, "reference"):
-        out = _checked_attention(*args, sm_scale=head_dim ** -0.5, impl=name, max_prefill_seqs=max_prefill_seqs)
-        outs[name] = np.asarray(out, np.float32)[: int(meta.cu_q_lens[-1])]
+        out, pools = _checked_layer(*case.layer_args(name), sm_scale=head_dim ** -0.5, impl=name,
+                                    max_prefill_seqs=max_prefill_seqs)
+        outs[name] = np.asarray(out, np.float32)[: int(case.meta.cu_q_lens[-1])]
+        caches[name] = [np.asarray(pool[kernels.SCRATCH_PAGE + 1:], np.float32) for pool in kernels.kv_from_pools(pools)]
+    if not all(np.array_equal(mine, want) for mine, want in zip(caches[impl], caches["reference"])):
+        raise StartupError(f"attention self-check failed: impl {impl!r} wrote the step's K/V into its cache "
+                           f"differently from the reference on bucket {bucket}")
     error = float(np.max(np.abs(outs[impl] - outs["reference"]), initial=0.0))
-    tolerance = attention_tolerance(impl, dtype, max_abs_v=float(jnp.max(jnp.abs(v_pages.astype(jnp.float32)))),
-                                    max_kv_len=int(np.max(meta.kv_lens, initial=1)))
+    tolerance = attention_tolerance(impl, dtype, max_abs_v=float(np.max(np.abs(caches["reference"][1]))),
+                                    max_kv_len=int(np.max(case.meta.kv_lens, initial=1)))
     if not np.isfinite(error) or error > tolerance:
         raise StartupError(f"attention self-check failed: impl {impl!r} differs from the reference by "
                            f"{error:.3g} (tolerance {tolerance:.3g} for {jnp.dtype(dtype).name}) on bucket {bucket}")
