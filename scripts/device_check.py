@@ -703,13 +703,13 @@ def engine(args, report, part):
         out = dict(checkpoint_build_s=time.perf_counter() - start, requests=count,
                    prompt_len=prompt_len, new_tokens=new_tokens)
         start = time.perf_counter()
-        # Token buckets 64, 128 and 256 (16..64 in smoke mode) under the sequence buckets 1, 4,
-        # 16, 64: start-up compiles 12 programs, not 20, and none of the largest. A decode step
-        # of the 64 sequences fills the smallest bucket unpadded; chunked prefill spreads the
-        # prompts over steps of 256. Smoke mode serves through the (interpreted) Pallas kernel
-        # too, not CPU's native one.
-        llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=count, max_num_batched_tokens=64 if args.smoke else 256,
-                  min_token_bucket=16 if args.smoke else 64, max_num_prefill_seqs=4,
+        # Token buckets 64, 128 and 256 under the sequence buckets 1, 4, 16, 64: start-up
+        # compiles 12 programs, not 20, and none of the largest. A decode step of the 64
+        # sequences fills the smallest bucket unpadded; chunked prefill spreads the prompts over
+        # steps of 256. Smoke mode serves through the (interpreted, slow to compile) Pallas
+        # kernel too, not CPU's native one, from one token bucket of 32: 3 programs.
+        llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=count, max_num_batched_tokens=32 if args.smoke else 256,
+                  min_token_bucket=32 if args.smoke else 64, max_num_prefill_seqs=4,
                   max_model_len=prompt_len + new_tokens + 16, progress=False, compilation_cache_dir=None,
                   attention_impl="pallas" if args.smoke else "auto")
         out["startup_s"] = time.perf_counter() - start
