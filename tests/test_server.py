@@ -321,7 +321,7 @@ def test_admission_counts_free_sequence_slots_and_refuses_only_what_would_wait(s
     next is a 503 with Retry-After."""
     base, _, state = served
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": MODEL, "prompt": "Count from one to fifty:", "max_tokens": 24, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Count from one to fifty:", "max_tokens": 8, "ignore_eos": True}
 
     async def burst(count: int) -> list[int]:
         async with httpx.AsyncClient(base_url=f"{base}/v1", headers=headers, timeout=120) as http:
@@ -330,7 +330,7 @@ def test_admission_counts_free_sequence_slots_and_refuses_only_what_would_wait(s
 
     async def full_then_one_more() -> int:
         async with httpx.AsyncClient(base_url=f"{base}/v1", headers=headers, timeout=120) as http:
-            held = [asyncio.ensure_future(http.post("/completions", json={**body, "max_tokens": 64}))
+            held = [asyncio.ensure_future(http.post("/completions", json={**body, "max_tokens": 32}))
                     for _ in range(12)]
             while served[1].engine_loop.num_requests() < 12:
                 await asyncio.sleep(0.01)
