@@ -517,11 +517,12 @@ def hf_model_files(model: str) -> tuple[str, str | None]:
     from jaxrunner.models.loading.resolve import resolve_model
 
     source = resolve_model(model)
+    path = os.path.abspath(source.path)  # peers run in a directory of their own
     if source.kind == "gguf":
-        directory, name = os.path.split(source.path)
+        directory, name = os.path.split(path)
         return directory, name
     if source.kind == "hf":
-        return source.path, None
+        return path, None
     raise BenchError(f"--compare hf: transformers cannot load a {source.kind} checkpoint ({source.path}); "
                      "pass the .gguf file or the HF directory")
 
@@ -775,10 +776,15 @@ def _peer_env(extra: dict | None = None) -> dict:
 
 
 def _run_peer_script(command: list[str], env: dict, progress: bool, timeout: float | None, what: str) -> None:
+    """Run a peer in a neutral working directory: started from the repository's root, the `python
+    -m` subprocesses a peer spawns (vLLM inspects model classes in one) put the root on their path,
+    and its ``kernels/`` shadows the PyPI package transformers imports."""
     import subprocess
+    import tempfile
 
     proc = subprocess.run(command, env=env, stdout=None if progress else subprocess.DEVNULL,
-                          stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout)
+                          stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout,
+                          cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {tail}")
