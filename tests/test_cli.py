@@ -153,8 +153,9 @@ def test_convert_checks_the_destination_before_loading(tiny_checkpoints, tmp_pat
              (tmp_path / "afile" / "sub", "which is a file, not a directory"),
              (tmp_path / "afile", "is a file"),
              (tmp_path / "other", "holds no jaxrunner checkpoint")]
-    for dst, message in cases:
-        line = _one_error_line(jaxrunner("convert", missing_src, str(dst)), "jaxrunner convert: error:")
+    procs = jaxrunner_side_by_side(*(("convert", missing_src, str(dst)) for dst, _ in cases))
+    for (_, message), proc in zip(cases, procs):
+        line = _one_error_line(proc, "jaxrunner convert: error:")
         assert message in line, line
 
 
