@@ -113,9 +113,10 @@ def cast_params(params, dtype, shardings=None) -> dict:
     by ``shardings`` (a pytree of ``jax.sharding.Sharding`` matching ``params``), in which case each
     device receives only its own slice of the host array."""
     dtype = jnp.dtype(dtype)
-    if shardings is None:  # narrowed by XLA on the device: numpy's float32 -> bfloat16 cast is several times slower
+    # narrowed by XLA on the devices: numpy's float32 -> bfloat16 cast is several times slower
+    if shardings is None:
         return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), params)
-    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x).astype(dtype, copy=False), s), params, shardings)
+    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s).astype(dtype), params, shardings)
 
 
 def params_nbytes(params) -> int:
