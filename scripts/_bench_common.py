@@ -546,51 +546,52 @@ def load_hf(directory: str, gguf_file: str | None = None, progress: bool = False
     return hf_model, tokenizer, time.perf_counter() - start
 
 
-def hf_copy_of_gguf(directory: str, gguf_file: str) -> str:
-    """A directory holding transformers' own reading of ``directory/gguf_file`` (float32 weights,
-    config, generation config, tokenizer), made on first use and kept under
+def hf_copy_of_gguf_path(directory: str, gguf_file: str) -> str:
+    """Where :func:`hf_copy_of_gguf` keeps its copy of ``directory/gguf_file``: under
     ``$JAXRUNNER_HF_GGUF_CACHE`` (default ``~/.cache/jaxrunner/hf-from-gguf``), keyed by the file's
-    name, size and mtime and by transformers' version.
+    name, size and mtime and by transformers' version (read without importing it)."""
+    stat = os.stat(os.path.join(directory, gguf_file))
+    root = os.environ.get("JAXRUNNER_HF_GGUF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner",
+                                                                     "hf-from-gguf")
+    version = importlib.metadata.version("transformers")
+    return os.path.join(root, f"{gguf_file}-{stat.st_size}-{stat.st_mtime_ns}-transformers{version}")
+
+
+def hf_copy_of_gguf(directory: str, gguf_file: str) -> str:
+    """A float32 HF directory holding transformers' own reading of ``directory/gguf_file`` (weights,
+    config, generation config, tokenizer), made on first use at :func:`hf_copy_of_gguf_path`.
 
     Why: transformers parses a GGUF file's metadata twice and rebuilds its tensor-name map for every
     tensor, about ten times longer than loading the same weights from a saved directory (SmolLM2:
-    about 12 s against 1 s), and every baseline and test paid it again. It refuses to
-    ``save_pretrained`` a model it read from GGUF, so the parts are written here. The weights are
-    the dequantized tensors exactly: a baseline or oracle loaded from the copy is the one loaded
-    from the file."""
+    about 12 s against 1 s), and every baseline, oracle and vLLM peer paid it again. The weights are
+    the dequantized tensors exactly: a model loaded from the copy is the one loaded from the file."""
     import shutil
     import tempfile
 
     import torch
     import transformers
-    from safetensors.torch import save_model
 
-    path = os.path.join(directory, gguf_file)
-    stat = os.stat(path)
-    root = os.environ.get("JAXRUNNER_HF_GGUF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxrunner",
-                                                                     "hf-from-gguf")
-    target = os.path.join(root, f"{gguf_file}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}")
-    if os.path.isfile(os.path.join(target, "model.safetensors")):
+    target = hf_copy_of_gguf_path(directory, gguf_file)
+    if os.path.isfile(os.path.join(target, "config.json")):
         return target
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    os.makedirs(root, exist_ok=True)
-    partial = tempfile.mkdtemp(dir=root, prefix=".partial-")
+    # dequantized on loading: saved as a plain float checkpoint (transformers refuses a "quantized" one)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    partial = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".partial-")
     try:
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config  # the weights are written dequantized
-        model.config.save_pretrained(partial)
-        model.generation_config.save_pretrained(partial)
-        save_model(model, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        model.save_pretrained(partial, safe_serialization=True)
         tokenizer.save_pretrained(partial)
-        os.rename(partial, target)
+        os.rename(partial, target)  # a half-written copy is never taken for a finished one
     except OSError:
-        if not os.path.isfile(os.path.join(target, "model.safetensors")):  # not another process's copy
+        if not os.path.isfile(os.path.join(target, "config.json")):  # not another process's copy
             raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
-
 
 def run_hf_worker(script: str, spec: dict, progress: bool = False, timeout: float | None = None) -> dict:
     """Run ``script --hf-worker SPEC`` in a fresh interpreter and return the JSON it writes.
@@ -720,15 +721,12 @@ def run_llamacpp_peer(python: str, spec: dict, progress: bool = False, timeout: 
 def vllm_model_spec(args, options: dict) -> dict:
     """What ``vllm_peer.py`` needs to load the benchmark's model with the same limits as jaxrunner's.
 
-    A GGUF model is converted once to a float HF directory under ``~/.cache/jaxrunner/peer-models``."""
+    A GGUF model is converted once to a float HF directory (:func:`hf_copy_of_gguf`)."""
     directory, gguf = hf_model_files(args.model)
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxrunner",
-                         "peer-models")
-    convert_to = os.path.join(cache, os.path.splitext(gguf)[0] + "-float32") if gguf else None
     engine = {"max_num_seqs": options["max_num_seqs"], "max_num_batched_tokens": options["max_num_batched_tokens"],
               "max_model_len": options["max_model_len"], "enable_prefix_caching": options["enable_prefix_caching"],
               "seed": options["seed"]}
-    return {"model_dir": directory, "gguf_file": gguf, "convert_to": convert_to, "dtype": options["dtype"],
+    return {"model_dir": directory, "gguf_file": gguf, "dtype": options["dtype"],
             "engine": engine, "kv_cache_gib": args.vllm_kv_cache_gib}
 
 
@@ -737,8 +735,9 @@ LLAMACPP_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 
 
 def vllm_peer_model(spec: dict, progress: bool = False, timeout: float | None = None) -> dict:
-    """``spec`` pointing at a float HF directory vLLM loads: a GGUF model is converted once, by this
-    Python's transformers (which reads GGUF; vLLM's CPU build brings no ``gguf``), before any timing."""
+    """``spec`` pointing at a float HF directory vLLM loads: a GGUF model is converted once
+    (:func:`hf_copy_of_gguf`) before any timing, in a process of this Python's (its transformers
+    reads GGUF; vLLM's CPU build brings no ``gguf``), so that torch never runs beside JAX here."""
     import tempfile
 
     if not spec.get("gguf_file"):
@@ -749,7 +748,7 @@ def vllm_peer_model(spec: dict, progress: bool = False, timeout: float | None = 
             json.dump(spec, f)
         _run_peer_script([sys.executable, VLLM_PEER_SCRIPT, "--convert", spec_path], _peer_env(), progress,
                          timeout, "conversion")
-    return {**spec, "model_dir": spec["convert_to"], "gguf_file": None}
+    return {**spec, "model_dir": hf_copy_of_gguf_path(spec["model_dir"], spec["gguf_file"]), "gguf_file": None}
 
 
 def run_vllm_peer(python: str, spec: dict, progress: bool = False, timeout: float | None = None,

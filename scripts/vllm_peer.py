@@ -3,14 +3,14 @@
     PATH/python scripts/vllm_peer.py SPEC.json
     python scripts/vllm_peer.py --convert SPEC.json
 
-It imports vLLM and the standard library only (no jaxrunner, no JAX): the benchmark scripts write
+Run as the peer it imports vLLM and the standard library only (no jaxrunner, no JAX): the benchmark scripts write
 the workload (token ids) to SPEC.json, run this in its own process, and read the figures back
 from the file SPEC names. vLLM loads an HF directory; a GGUF file is first written out once as a
-float HF checkpoint (``convert_to``), so both engines serve the same weights. The conversion runs
-with ``--convert`` under the benchmark's own Python, whose transformers reads GGUF (the ``gguf``
-package comes with jaxrunner; vLLM's CPU build does not bring it).
+float HF checkpoint (``_bench_common.hf_copy_of_gguf``), so both engines serve the same weights.
+The conversion runs with ``--convert`` under the benchmark's own Python, whose transformers reads
+GGUF (the ``gguf`` package comes with jaxrunner; vLLM's CPU build does not bring it).
 
-SPEC: ``{"mode": "throughput" | "latency" | "startup", "model_dir", "gguf_file" (or null), "convert_to",
+SPEC: ``{"mode": "throughput" | "latency" | "startup", "model_dir", "gguf_file" (or null),
 "dtype", "engine": {vLLM LLM(...) options}, "result": path, ...}``; throughput adds ``requests``
 (``[{"prompt_token_ids", "output_len"}]``), latency adds ``batches`` (``[{"batch_size",
 "input_len", "output_len", "repetitions": [[prompt ids, ...], ...], "warmup"}]``), startup
@@ -25,38 +25,13 @@ import sys
 import time
 
 
-def hf_directory(spec: dict) -> str:
-    """The HF directory vLLM loads: the model's own, or the GGUF file converted once to float."""
-    if not spec.get("gguf_file"):
-        return spec["model_dir"]
-    out = spec["convert_to"]
-    if os.path.isfile(os.path.join(out, "config.json")):
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = dict(pretrained_model_name_or_path=spec["model_dir"], gguf_file=spec["gguf_file"])
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(**source)
-    # the weights are de-quantized to float on loading: save them as a plain float checkpoint
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = out + ".partial"
-    model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    os.replace(partial, out)  # a half-written conversion is never taken for a finished one
-    return out
-
-
 def start_engine(spec: dict):
     """(vLLM's LLM, seconds to import vllm, seconds to construct the LLM)."""
-    directory = hf_directory(spec)
     start = time.perf_counter()
     from vllm import LLM
 
     imported = time.perf_counter()
-    llm = LLM(model=directory, dtype=spec["dtype"], disable_log_stats=True, **spec["engine"])
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], disable_log_stats=True, **spec["engine"])
     return llm, imported - start, time.perf_counter() - imported
 
 
@@ -139,8 +114,14 @@ def main(spec_path: str) -> int:
 
 
 def convert(spec_path: str) -> int:
+    """The spec's GGUF file as a float HF directory (the benchmark's Python only: it needs jaxrunner's
+    ``_bench_common`` and transformers)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _bench_common
+
     with open(spec_path, encoding="utf-8") as f:
-        hf_directory(json.load(f))
+        spec = json.load(f)
+    _bench_common.hf_copy_of_gguf(spec["model_dir"], spec["gguf_file"])
     return 0
 
 
