@@ -37,7 +37,8 @@ else:
         # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
         "small_matmul_native": "native", "small_matmul_supported": "native",
-        "onednn_matmul": "onednn", "onednn_supported": "onednn",
+        "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",
+        "OnednnPackedWeight": "onednn",
     }
     __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", "CPU_MATMUL_CHOICES", *_PUBLIC]
 

@@ -1,5 +1,6 @@
-"""oneDNN's matmul for XLA:CPU (``cpu/onednn_matmul.cc``), called through XLA's FFI: the products
-of a prefill or a batch of decodes, where oneDNN's AMX and AVX-512 kernels outrun XLA's dot.
+"""oneDNN's matmul for XLA:CPU (``cpu/onednn_matmul.cc``), called through XLA's FFI, on weights
+packed once into oneDNN's blocked layout (:class:`OnednnPackedWeight`): where oneDNN's AMX kernels outrun
+XLA's dot, the model's products of every row count go there.
 
 oneDNN comes from PyPI: ``onednn-cpu-gomp`` (the library, built with GNU OpenMP, which every Linux
 with gcc has) and ``onednn-devel-cpu-gomp`` (its headers), default dependencies on x86-64 Linux.
@@ -11,6 +12,7 @@ compiler or a successful build, :func:`unavailable_reason` says why and the prod
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import importlib.metadata
 import logging
@@ -28,11 +30,13 @@ logger = logging.getLogger("jaxrunner")
 
 SOURCE = native.CPU_DIR / "onednn_matmul.cc"
 TARGET_NAME = "jaxrunner_cpu_onednn_matmul"
-SYMBOL = "JaxrunnerCpuOnednnMatmul"
+PACK_TARGET, UNPACK_TARGET = "jaxrunner_cpu_onednn_pack", "jaxrunner_cpu_onednn_unpack"
+SYMBOLS = {TARGET_NAME: "JaxrunnerCpuOnednnMatmul", PACK_TARGET: "JaxrunnerCpuOnednnPack",
+           UNPACK_TARGET: "JaxrunnerCpuOnednnUnpack"}
 LIBRARY = "libdnnl.so.3"
 HEADER = "oneapi/dnnl/dnnl.hpp"
 DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # the library, its headers
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")  # the glue only: oneDNN picks its kernels at run time
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp")  # the glue only: oneDNN picks its kernels at run time
 
 
 def find_onednn() -> tuple[Path, Path]:
@@ -65,44 +69,107 @@ def _installed_dir(distribution: str, suffix: str) -> Path:
     raise native.NativeKernelUnavailable(f"{distribution} holds no {suffix}")
 
 
-def _load() -> None:
+def _load() -> ctypes.CDLL:
     include, lib = find_onednn()
     cxx = native.compiler()
     flags = (*FLAGS, f"-I{include}")
-    path = native.library_path(TARGET_NAME, cxx, (SOURCE, include / HEADER), (*flags, str(lib)))
+    path = native.library_path(TARGET_NAME, cxx, (SOURCE, native.CPU_DIR / "helper_thread.h", include / HEADER),
+                               (*flags, str(lib)))
     if not path.exists():
         native.build_library(cxx, path, (SOURCE,), flags, (f"-L{lib}", f"-l:{LIBRARY}", f"-Wl,-rpath,{lib}"))
     library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    for target, symbol in SYMBOLS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    library.JaxrunnerOnednnPackedBytes.restype = ctypes.c_int64
+    library.JaxrunnerOnednnPackedBytes.argtypes = (ctypes.c_int64,) * 3
+    return library
 
 
 @functools.cache
-def unavailable_reason() -> str | None:
-    """None when oneDNN's matmul is ready; otherwise why not (tried once per process, logged once)."""
+def _library() -> ctypes.CDLL | str:
+    """The loaded glue, or why it could not be built or loaded (tried once per process, logged once)."""
     try:
-        _load()
+        return _load()
     except (native.NativeKernelUnavailable, OSError, AttributeError, subprocess.SubprocessError) as err:
         logger.info("oneDNN matmul unavailable (%s); the model's products use XLA's dot", err)
         return str(err)
-    return None
 
 
-def onednn_supported(x, w, transposed: bool) -> bool:
-    """Shapes and dtypes :func:`onednn_matmul` takes: ``x`` [M, K] and ``w`` [K, N] ([N, K] when
-    ``transposed``), both bf16 or both float32."""
-    if x.ndim != 2 or w.ndim != 2 or x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float32):
-        return False
-    return x.shape[1] == (w.shape[1] if transposed else w.shape[0])
+def unavailable_reason() -> str | None:
+    """None when oneDNN's matmul is ready; otherwise why not."""
+    library = _library()
+    return library if isinstance(library, str) else None
 
 
-def onednn_matmul(x, w, *, transposed: bool = False):
-    """``x @ w`` (``x @ w.T`` when ``transposed``) with a float32 result, on oneDNN."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise native.NativeKernelUnavailable(reason)
-    if not onednn_supported(x, w, transposed):
-        raise ValueError(f"the oneDNN matmul takes x [M, K] and w [K, N] (or [N, K] transposed), both bf16 or both "
-                         f"float32; got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, transposed={transposed}")
-    n = w.shape[0] if transposed else w.shape[1]
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, w, transposed=np.int64(transposed))
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class OnednnPackedWeight:
+    """A [K, N] weight in oneDNN's blocked layout: ``data`` holds the bytes, the rest is static.
+    ``transposed``: the plain weight it came from was [N, K] (a tied embedding used as the LM head),
+    which :func:`onednn_unpack` gives back."""
+    data: jax.Array
+    k: int
+    n: int
+    dtype: str
+    transposed: bool
+
+    def tree_flatten(self):
+        return (self.data,), (self.k, self.n, self.dtype, self.transposed)
+
+    @classmethod
+    def tree_unflatten(cls, static, children):
+        return cls(children[0], *static)
+
+    @property
+    def plain_shape(self) -> tuple[int, int]:
+        return (self.n, self.k) if self.transposed else (self.k, self.n)
+
+
+def packed_bytes(k: int, n: int, dtype) -> int:
+    """Bytes of a [K, N] weight of ``dtype`` (bf16 or float32) once packed."""
+    library = _library()
+    if isinstance(library, str):
+        raise native.NativeKernelUnavailable(library)
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"oneDNN packs bf16 or float32 weights, not {jnp.dtype(dtype).name}")
+    size = library.JaxrunnerOnednnPackedBytes(k, n, int(jnp.dtype(dtype) == jnp.bfloat16))
+    if size < 0:
+        raise ValueError(f"oneDNN has no matmul for a [{k}, {n}] {jnp.dtype(dtype).name} weight")
+    return size
+
+
+def onednn_pack(w: jax.Array, *, transposed: bool = False) -> OnednnPackedWeight:
+    """``w`` ([K, N]; [N, K] when ``transposed``, bf16 or float32) packed for :func:`onednn_matmul`."""
+    if w.ndim != 2:
+        raise ValueError(f"oneDNN packs 2-D weights; got shape {list(w.shape)}")
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    size = packed_bytes(k, n, w.dtype)
+    data = _pack_call(w, size, transposed)
+    return OnednnPackedWeight(data, int(k), int(n), jnp.dtype(w.dtype).name, bool(transposed))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _pack_call(w, size: int, transposed: bool):
+    call = jax.ffi.ffi_call(PACK_TARGET, jax.ShapeDtypeStruct((size,), jnp.uint8))
+    return call(w, transposed=np.int64(transposed))
+
+
+def onednn_unpack(packed: OnednnPackedWeight) -> jax.Array:
+    """The plain weight ``packed`` was made from, bit for bit."""
+    return _unpack_call(packed.data, packed.plain_shape, packed.dtype, packed.transposed)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _unpack_call(data, shape, dtype: str, transposed: bool):
+    call = jax.ffi.ffi_call(UNPACK_TARGET, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
+    return call(data, transposed=np.int64(transposed))
+
+
+def onednn_matmul(x: jax.Array, w: OnednnPackedWeight) -> jax.Array:
+    """``x`` [M, K] times the packed weight, float32 [M, N], on oneDNN (each half of the columns on
+    one core)."""
+    if x.ndim != 2 or x.shape[1] != w.k or jnp.dtype(x.dtype).name != w.dtype:
+        raise ValueError(f"the oneDNN matmul takes x [M, {w.k}] {w.dtype} for this packed weight; got x "
+                         f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
+    return call(x, w.data, n=np.int64(w.n))

@@ -24,14 +24,14 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # XLA:CPU routes a one-row 16-bit dot to a GEMV that measured 9x slower than the same dot with
 # four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms), so such dots are padded to four.
 CPU_MIN_16BIT_ROWS = 4
-# Where oneDNN's matmul beat XLA's dot, per CPU kind: (the CPU flag, the operand dtypes, the fewest
-# rows, the smallest weight in bytes); the first row whose flag the CPU has applies. Read off
+# Where oneDNN's matmul on packed weights beat XLA's dot, per CPU kind: (the CPU flag, the weight
+# dtypes, the smallest weight in bytes); the first row whose flag the CPU has applies. Read off
 # scripts/bench_matmul.py (both in one process, alternating) and checked end to end with the
-# throughput benchmark; a CPU kind not listed keeps XLA's dot until measured.
+# throughput and latency benchmarks; a CPU kind not listed keeps XLA's dot until measured.
 ONEDNN_FASTER = (
-    ("amx_bf16", ("bfloat16",), 8, 8 << 20),
+    ("amx_bf16", ("bfloat16",), 8 << 20),
 )
-NOT_FASTER = ((), 2, 0)
+NOT_FASTER = ((), 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +47,10 @@ class MatmulKernels:
       more float32 rows lets it unpack the weight for XLA's dot (:func:`dequantize_native`);
       ``"xla"`` dequantizes in XLA.
     * ``min_16bit_rows``: XLA dots of 16-bit operands with fewer rows are padded to this many.
-    * ``onednn_dtypes``: float products whose operands have one of these dtypes, at least
-      ``onednn_min_rows`` rows and a weight of at least ``onednn_min_weight_bytes`` go to oneDNN's
-      matmul (:func:`onednn_matmul`: AMX and AVX-512 kernels, faster than XLA's dot where
+    * ``onednn_dtypes``: the linear layers' weights of these dtypes holding at least
+      ``onednn_min_weight_bytes`` are packed at start-up into oneDNN's layout
+      (``models.packed_weights``), and their products, of every row count, run on oneDNN's matmul
+      (:func:`onednn_matmul`: AMX and AVX-512 kernels, faster than XLA's dot where
       :func:`capabilities` chooses it); empty: none.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
@@ -59,7 +60,6 @@ class MatmulKernels:
     weight_only: str = XLA
     min_16bit_rows: int = 1
     onednn_dtypes: tuple[str, ...] = ()
-    onednn_min_rows: int = 2
     onednn_min_weight_bytes: int = 0
 
     def __post_init__(self):
@@ -69,9 +69,9 @@ class MatmulKernels:
         if not isinstance(self.onednn_dtypes, tuple) or not set(self.onednn_dtypes) <= {"float32", "bfloat16"}:
             raise ValueError(f"MatmulKernels.onednn_dtypes: expected a tuple of 'float32' and 'bfloat16', "
                              f"got {self.onednn_dtypes!r}")
-        for name, low in (("onednn_min_rows", 1), ("onednn_min_weight_bytes", 0)):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
-                raise ValueError(f"MatmulKernels.{name}: expected an integer >= {low}, got {getattr(self, name)!r}")
+        if not isinstance(self.onednn_min_weight_bytes, int) or self.onednn_min_weight_bytes < 0:
+            raise ValueError(f"MatmulKernels.onednn_min_weight_bytes: expected an integer >= 0, "
+                             f"got {self.onednn_min_weight_bytes!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -165,7 +165,7 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     if onednn[0] and onednn_unavailable(platform) is not None:  # built only where the table would use it
         onednn = NOT_FASTER
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
-                         onednn_dtypes=onednn[0], onednn_min_rows=onednn[1], onednn_min_weight_bytes=onednn[2])
+                         onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1])
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:
@@ -175,8 +175,8 @@ def onednn_unavailable(platform: str = "cpu") -> str | None:
     return onednn.unavailable_reason()
 
 
-def _onednn_faster() -> tuple[tuple[str, ...], int, int]:
-    """(dtypes, fewest rows, smallest weight in bytes) of the products oneDNN runs faster than
+def _onednn_faster() -> tuple[tuple[str, ...], int]:
+    """(dtypes, smallest weight in bytes) of the packed weights whose products oneDNN runs faster than
     XLA's dot on this CPU, from :data:`ONEDNN_FASTER` (the first row whose CPU flag is present)."""
     flags = set(native.cpu_features())
     for flag, *faster in ONEDNN_FASTER:
@@ -188,8 +188,8 @@ def _onednn_faster() -> tuple[tuple[str, ...], int, int]:
 def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tuple[MatmulKernels, str]:
     """(where the model's products run, why) for the engine option ``cpu_matmul``: ``"auto"``
     takes :func:`capabilities`' choice, ``"xla"`` keeps every multi-row product on XLA's dot,
-    ``"onednn"`` sends every bf16 and float32 one of two rows or more to oneDNN (an error where it
-    is unavailable). The one place the choice is made."""
+    ``"onednn"`` packs every bf16 and float32 weight of the linear layers for oneDNN (an error
+    where it is unavailable). The one place the choice is made."""
     if cpu_matmul not in CPU_MATMUL_CHOICES:
         raise ValueError(f"cpu_matmul: invalid value {cpu_matmul!r}; valid: {CPU_MATMUL_CHOICES}")
     caps = capabilities(platform)
@@ -206,11 +206,11 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         if caps.device_count != 1:
             raise ValueError(f"cpu_matmul='onednn' runs on one CPU device, not {caps.device_count}; valid here: "
                              f"'auto' or 'xla'")
-        return dataclasses.replace(chosen, onednn_dtypes=("float32", "bfloat16"), onednn_min_rows=2,
-                                   onednn_min_weight_bytes=0), "asked for"
+        return dataclasses.replace(chosen, onednn_dtypes=("float32", "bfloat16"), onednn_min_weight_bytes=0), \
+            "asked for"
     if chosen.onednn_dtypes:
-        return chosen, (f"CPU: oneDNN for {'/'.join(chosen.onednn_dtypes)} products of {chosen.onednn_min_rows}+ "
-                        f"rows and weights of {chosen.onednn_min_weight_bytes >> 20}+ MiB (measured faster than "
+        return chosen, (f"CPU: oneDNN for the products of {'/'.join(chosen.onednn_dtypes)} weights of "
+                        f"{chosen.onednn_min_weight_bytes >> 20}+ MiB, packed at start-up (measured faster than "
                         f"XLA's dot on this CPU kind)")
     if caps.device_count != 1:
         return chosen, f"CPU: XLA's dot ({caps.device_count} CPU devices: the custom call is not partitioned)"

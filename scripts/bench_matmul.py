@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""XLA's dot against oneDNN's matmul (``jaxrunner.kernels.onednn_matmul``) on the products of a
-model's linear layers, in one process, alternating, on this CPU.
+"""XLA's dot against oneDNN's matmul on packed weights (``jaxrunner.kernels.onednn_matmul``, the
+weights packed once by ``kernels.onednn_pack``) on the products of a model's linear layers, in one
+process, alternating, on this CPU.
 
 Each timed call chains the product over distinct weights (``--layers``, as a step walks the
 layers), so the weights come from memory as they do when serving, not from a warm cache. Prints a table and
@@ -53,7 +54,7 @@ def chained_products(transposed: bool, impl: str):
     a model's layers do; unrolled: an XLA loop would copy the stacked weights every iteration)."""
     def product(x, w):
         if impl == "onednn":
-            return kernels.onednn_matmul(x, w, transposed=transposed)
+            return kernels.onednn_matmul(x, w)
         dims = (((1,), (1 if transposed else 0,)), ((), ()))
         return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
@@ -82,13 +83,14 @@ def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows
                for i in range(args.layers))
     x = jax.random.normal(jax.random.fold_in(key, 1), (rows, k), dtype)
     fns = {impl: chained_products(transposed, impl) for impl in ("xla", "onednn")}
-    outs = {impl: fn(x, ws) for impl, fn in fns.items()}
+    weights = {"xla": ws, "onednn": tuple(kernels.onednn_pack(w, transposed=transposed) for w in ws)}
+    outs = {impl: fn(x, weights[impl]) for impl, fn in fns.items()}
     error = float(jnp.max(jnp.abs(outs["xla"] - outs["onednn"])) / (jnp.max(jnp.abs(outs["xla"])) + 1e-30))
     calls = max(3, int(2e9 // (2 * rows * k * n * args.layers)))
     times = {impl: [] for impl in fns}
     for _ in range(args.rounds):
         for impl, fn in fns.items():
-            times[impl].append(seconds_per_call(fn, x, ws, calls))
+            times[impl].append(seconds_per_call(fn, x, weights[impl], calls))
     flops = 2 * rows * k * n
     result = {"model": model, "product": name, "dtype": jnp.dtype(dtype).name, "rows": rows, "k": k, "n": n,
               "weight_nk": transposed, "max_rel_diff": error}

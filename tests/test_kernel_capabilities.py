@@ -35,7 +35,6 @@ def test_capabilities_answer_on_this_cpu_machine():
         assert caps.writes_in_place("native", "bfloat16")
         assert caps.matmuls == kernels.MatmulKernels("native", "native", min_16bit_rows=4,
                                                      onednn_dtypes=caps.matmuls.onednn_dtypes,
-                                                     onednn_min_rows=caps.matmuls.onednn_min_rows,
                                                      onednn_min_weight_bytes=caps.matmuls.onednn_min_weight_bytes)
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
@@ -75,8 +74,6 @@ def test_matmul_choice_is_checked():
         kernels.MatmulKernels(min_16bit_rows=0)
     with pytest.raises(ValueError, match="MatmulKernels.onednn_dtypes"):
         kernels.MatmulKernels(onednn_dtypes=("float16",))
-    with pytest.raises(ValueError, match="MatmulKernels.onednn_min_rows"):
-        kernels.MatmulKernels(onednn_min_rows=0)
     with pytest.raises(ValueError, match="MatmulKernels.onednn_min_weight_bytes"):
         kernels.MatmulKernels(onednn_min_weight_bytes=-1)
 

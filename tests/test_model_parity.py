@@ -8,6 +8,7 @@ import pytest
 from conftest import TINY_FAMILIES, build_tiny_checkpoint
 from engine_helpers import count_compilations, make_llm, random_prompts, token_ids
 from jaxrunner import SamplingParams, kernels
+from jaxrunner.models import packed_weights, registry
 from jaxrunner.models.decoder import Decoder
 from jaxrunner.models.attention import DenseAttention
 from jaxrunner.models.loading import load_model
@@ -38,9 +39,10 @@ def our_logits(model_dir: str, ids: np.ndarray, dtype: str, rows=None, matmuls=k
     loaded = load_model(model_dir, dtype, progress=False)
     cfg = loaded.config
     decoder = Decoder(cfg, matmuls)
-    hidden, _ = decoder.forward(loaded.params, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
+    params = packed_weights.pack(loaded.params, registry.family_for_config(cfg).quantized_leaves, matmuls)
+    hidden, _ = decoder.forward(params, jnp.asarray(ids), jnp.arange(len(ids)), [None] * cfg.num_layers,
                                 jnp.zeros(len(ids), jnp.int32), DenseAttention(), rows=rows)
-    return np.asarray(decoder.compute_logits(loaded.params, hidden))
+    return np.asarray(decoder.compute_logits(params, hidden))
 
 
 @pytest.mark.parametrize("rows", [[0], [3, 11, 11], [11, 2]])
@@ -87,7 +89,7 @@ def test_bfloat16_one_token_logits_close_to_transformers(tiny_checkpoints, famil
 
 
 ONEDNN_MISSING = kernels.onednn_unavailable()
-ONEDNN_ALL = kernels.MatmulKernels(onednn_dtypes=("float32", "bfloat16"), onednn_min_rows=2)
+ONEDNN_ALL = kernels.MatmulKernels(onednn_dtypes=("float32", "bfloat16"))
 
 
 @pytest.mark.skipif(ONEDNN_MISSING is not None, reason=f"oneDNN unavailable: {ONEDNN_MISSING}")

@@ -1,5 +1,6 @@
-"""oneDNN's matmul (``kernels/cpu/onednn_matmul.cc``) against a float64 oracle (``matmul_oracle``),
-where the model routes a product to it, and how the engine option ``cpu_matmul`` chooses it."""
+"""oneDNN's matmul on packed weights (``kernels/cpu/onednn_matmul.cc``) against a float64 oracle
+(``matmul_oracle``), which weights the model packs and routes there, and how the engine option
+``cpu_matmul`` chooses it."""
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,6 @@ from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 needs_onednn = pytest.mark.skipif(onednn.unavailable_reason() is not None and not X86_LINUX,
                                   reason=f"oneDNN unavailable off x86-64 Linux: {onednn.unavailable_reason()}")
-ONEDNN_ALL = kernels.MatmulKernels(onednn_dtypes=("float32", "bfloat16"), onednn_min_rows=2)
 
 
 def test_onednn_is_installed_and_builds_on_x86_64_linux():
@@ -30,40 +30,70 @@ def test_onednn_is_installed_and_builds_on_x86_64_linux():
 
 
 
-def _check(x, w, transposed):
-    got = jax.jit(functools.partial(onednn.onednn_matmul, transposed=transposed))(x, w)
-    assert_matches_float64(got, x, w, transposed)
+def _packed_matmul(x, w, transposed=False):
+    return jax.jit(onednn.onednn_matmul)(x, onednn.onednn_pack(w, transposed=transposed))
 
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("rows", [2, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 17, 64])
 @pytest.mark.parametrize("k, n, transposed", [(576, 960, False), (130, 80, False), (7, 48, False),
                                               (64, 1023, True), (576, 4096, True)])
 def test_matches_a_float64_oracle(rows, k, n, transposed, dtype):
+    """Every row count, odd shapes (one block of columns, a split into halves at a block boundary,
+    K not a multiple of the VNNI pair) and both orientations of the weight."""
     rng = np.random.default_rng(rows * 1000 + k + n)
     w_shape = (n, k) if transposed else (k, n)
-    _check(normal(rng, (rows, k), dtype=dtype), normal(rng, w_shape, 0.05, dtype), transposed)
+    x, w = normal(rng, (rows, k), dtype=dtype), normal(rng, w_shape, 0.05, dtype)
+    assert_matches_float64(_packed_matmul(x, w, transposed), x, w, transposed)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_packing_keeps_every_bit_and_says_its_size(dtype):
+    """Unpacking gives back the weight bit for bit (what ``LLM.params`` shows); the packed size is
+    known before anything is traced, and covers at least the weight."""
+    w = normal(np.random.default_rng(0), (130, 200), dtype=dtype)
+    for weights, transposed in ((w, False), (w.T, True)):
+        packed = onednn.onednn_pack(weights, transposed=transposed)
+        assert (packed.k, packed.n, packed.plain_shape) == (130, 200, weights.shape)
+        assert packed.data.shape == (onednn.packed_bytes(130, 200, dtype),) and packed.data.nbytes >= w.nbytes
+        np.testing.assert_array_equal(np.asarray(onednn.onednn_unpack(packed)), np.asarray(weights))
 
 
 @needs_onednn
 def test_each_output_sees_only_its_own_weights():
-    assert_nan_weight_poisons_only_its_output(onednn.onednn_matmul, rows=33)
+    assert_nan_weight_poisons_only_its_output(_packed_matmul, rows=33)
 
 
-@pytest.mark.parametrize("x_shape, w_shape, transposed, dtype, w_dtype", [
-    ((4, 64), (32, 16), False, jnp.bfloat16, jnp.bfloat16),  # K mismatch
-    ((4, 64), (16, 32), True, jnp.bfloat16, jnp.bfloat16),   # K mismatch, [N, K]
-    ((4, 64), (64, 16), False, jnp.float32, jnp.bfloat16),   # mixed dtypes
-    ((4, 64), (64, 16), False, jnp.float16, jnp.float16),    # neither bf16 nor float32
-    ((2, 4, 64), (64, 16), False, jnp.bfloat16, jnp.bfloat16),  # not 2-D
-])
-def test_unsupported_inputs_say_why(x_shape, w_shape, transposed, dtype, w_dtype):
-    x, w = jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, w_dtype)
-    assert not onednn.onednn_supported(x, w, transposed)
-    if onednn.unavailable_reason() is None:
-        with pytest.raises(ValueError, match="oneDNN matmul takes x"):
-            onednn.onednn_matmul(x, w, transposed=transposed)
+@needs_onednn
+def test_calls_from_two_threads_at_once_each_get_their_own_answer():
+    """Primitives are shared and each thread brings its own scratchpad: products of two threads,
+    interleaved, match the same products run alone."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(2)
+    w = onednn.onednn_pack(normal(rng, (256, 512), 0.05))
+    xs = [normal(rng, (rows, 256)) for rows in (3, 40, 3, 40)]
+    fn = jax.jit(onednn.onednn_matmul)
+    alone = [np.asarray(fn(x, w)) for x in xs]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(5):
+            together = list(pool.map(lambda x: np.asarray(fn(x, w)), xs))
+            for got, want in zip(together, alone):
+                np.testing.assert_array_equal(got, want)
+
+
+@needs_onednn
+def test_unsupported_inputs_say_why():
+    w = onednn.onednn_pack(jnp.zeros((64, 16), jnp.bfloat16))
+    for x in (jnp.zeros((4, 32), jnp.bfloat16), jnp.zeros((4, 64), jnp.float32), jnp.zeros((2, 4, 64), jnp.bfloat16)):
+        with pytest.raises(ValueError, match=r"the oneDNN matmul takes x \[M, 64\] bfloat16"):
+            onednn.onednn_matmul(x, w)
+    with pytest.raises(ValueError, match="oneDNN packs bf16 or float32 weights, not float16"):
+        onednn.onednn_pack(jnp.zeros((64, 16), jnp.float16))
+    with pytest.raises(ValueError, match="oneDNN packs 2-D weights"):
+        onednn.onednn_pack(jnp.zeros((2, 64, 16), jnp.bfloat16))
 
 
 def _onednn_calls(fn, *args) -> int:
@@ -71,32 +101,35 @@ def _onednn_calls(fn, *args) -> int:
 
 
 @needs_onednn
-def test_model_routes_the_chosen_dtypes_and_rows_only():
-    """``onednn_dtypes``, ``onednn_min_rows`` and ``onednn_min_weight_bytes`` decide: bf16 products
-    of 16+ rows here, float32, fewer rows and smaller weights stay on XLA; a quantized weight's
-    product at many rows goes there once dequantized."""
-    from jaxrunner.models import quant
+def test_the_chosen_weights_are_packed_and_their_products_go_to_onednn():
+    """``onednn_dtypes`` and ``onednn_min_weight_bytes`` decide which layer leaves and which head are
+    packed (an untied head, never a tied embedding: the lookup reads it too); packed products go to
+    oneDNN at every row count, the rest stays on XLA; unpacking gives the plain tree back."""
+    from jaxrunner.models import packed_weights
 
-    bf16_16 = kernels.MatmulKernels(onednn_dtypes=("bfloat16",), onednn_min_rows=16)
-    matmul = functools.partial(linear.matmul_f32_acc, matmuls=bf16_16)
     rng = np.random.default_rng(1)
-    w, embed = normal(rng, (64, 96)), normal(rng, (256, 64))
-    many, few = normal(rng, (16, 64)), normal(rng, (15, 64))
-    assert _onednn_calls(matmul, many, w) == 1
-    assert _onednn_calls(lambda x, e: matmul(x, e, contract=(-1, 1)), many, embed) == 1
-    assert _onednn_calls(matmul, few, w) == 0
-    assert _onednn_calls(matmul, many.astype(jnp.float32), w.astype(jnp.float32)) == 0
-    assert _onednn_calls(functools.partial(linear.matmul_f32_acc, matmuls=kernels.XLA_MATMULS), many, w) == 0
-    big_only = kernels.MatmulKernels(onednn_dtypes=("bfloat16",), onednn_min_weight_bytes=embed.size * 2)
-    assert _onednn_calls(functools.partial(linear.matmul_f32_acc, matmuls=big_only), many, w) == 0
-    assert _onednn_calls(lambda x, e: linear.matmul_f32_acc(x, e, big_only, contract=(-1, 1)), many, embed) == 1
-    packed = quant.quantize_weight_only(w, "int4", 32)
-    assert _onednn_calls(lambda x, q: linear.linear_f32(x, q, bf16_16), many, packed) == 1
-    for x, weights, contract in ((many, w, (-1, 0)), (many, embed, (-1, 1))):
-        got = matmul(x, weights, contract=contract)
-        want = jax.lax.dot_general(x.astype(jnp.float32), weights.astype(jnp.float32),
-                                   (((1,), (contract[1] % 2,)), ((), ())), precision="highest")
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    w, small, embed, head = normal(rng, (64, 96)), normal(rng, (64, 8)), normal(rng, (256, 64)), normal(rng, (64, 256))
+    params = {"layers": [{"wqkv": w, "wo": small, "norm": normal(rng, (64,))}], "embed": embed}
+    bf16 = kernels.MatmulKernels(onednn_dtypes=("bfloat16",), onednn_min_weight_bytes=small.nbytes + 1)
+    packed = packed_weights.pack(params, ("wqkv", "wo"), bf16)
+    layer = packed["layers"][0]
+    assert packed_weights.is_packed(layer["wqkv"]) and not packed_weights.is_packed(layer["wo"])
+    assert "lm_head" not in packed and packed["embed"] is embed and layer["norm"] is params["layers"][0]["norm"]
+    assert packed_weights.is_packed(packed_weights.pack({**params, "lm_head": head}, (), bf16)["lm_head"])
+    for rows in (1, 5, 64):
+        x = normal(rng, (rows, 64))
+        assert _onednn_calls(lambda x, p: linear.matmul_f32_acc(x, p["layers"][0]["wqkv"], bf16), x, packed) == 1
+        assert _onednn_calls(lambda x, p: linear.matmul_f32_acc(x, p["layers"][0]["wo"], bf16), x, packed) == 0
+        got = linear.matmul_f32_acc(x, layer["wqkv"], bf16)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(linear.matmul_f32_acc(x, w, kernels.XLA_MATMULS)),
+                                   rtol=1e-5, atol=1e-5)
+    assert packed_weights.pack(params, ("wqkv",), kernels.XLA_MATMULS) is params
+    assert packed_weights.pack(params, ("wqkv",), kernels.MatmulKernels(onednn_dtypes=("float32",))) == params
+    plain = packed_weights.unpack(packed)
+    assert jax.tree.structure(plain) == jax.tree.structure(params)
+    jax.tree.map(np.testing.assert_array_equal, plain, params)
+    like = packed_weights.plain_like(packed)
+    assert like["layers"][0]["wqkv"].shape == w.shape and like["embed"] is embed
 
 
 # ----------------------------------------------------------------------------- the engine option
@@ -117,7 +150,7 @@ def test_choose_matmuls_resolves_each_choice():
     if onednn.unavailable_reason() is None:
         chosen, why = kernels.choose_matmuls("onednn", "cpu")
         assert chosen.onednn_dtypes == ("float32", "bfloat16") and why == "asked for"
-        assert chosen.onednn_min_rows == 2 and chosen.onednn_min_weight_bytes == 0
+        assert chosen.onednn_min_weight_bytes == 0
     else:
         with pytest.raises(ValueError, match="cpu_matmul='onednn': oneDNN's matmul is unavailable here"):
             kernels.choose_matmuls("onednn", "cpu")
@@ -132,3 +165,32 @@ def test_the_table_applies_to_the_cpu_it_names(monkeypatch):
                         (["avx2", "fma"], platform_support.NOT_FASTER)):
         monkeypatch.setattr(native, "cpu_features", lambda flags=flags: flags)
         assert platform_support._onednn_faster() == want
+
+
+@needs_onednn
+def test_an_engine_on_packed_weights_shows_and_swaps_plain_ones(tiny_checkpoints):
+    """The runner steps on packed weights; ``LLM.params`` gives the plain ones back bit for bit
+    (as the checkpoint holds them), and a swap is packed in place: no compile, and the
+    tokens of a fresh engine on the new weights."""
+    from engine_helpers import TINY_ENGINE, count_compilations, make_llm, random_prompts, token_ids
+    from jaxrunner import LLM, SamplingParams
+    from jaxrunner.models import packed_weights
+    from jaxrunner.models.loading import load_model
+    from jaxrunner.models.loading.hf import read_hf_config
+
+    path = tiny_checkpoints["llama"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(path, cpu_matmul="onednn")
+    runner = llm.engine.executor.runner
+    assert packed_weights.is_packed(runner.params["layers"][0]["wqkv"])
+    jax.tree.map(np.testing.assert_array_equal, llm.params, load_model(path, "float32", progress=False).params)
+    prompts = random_prompts(3, 512, 10, 30, seed=5)
+    new = jax.tree.map(lambda x: x * 1.5 if x.ndim == 2 else x, llm.params)
+    with count_compilations() as compiles:
+        llm.update_weights(new)
+        swapped = token_ids(llm.generate(prompts, greedy, use_tqdm=False))
+    assert compiles == []
+    assert packed_weights.is_packed(runner.params["layers"][0]["wqkv"])
+    jax.tree.map(np.testing.assert_array_equal, llm.params, new)
+    fresh = LLM.from_params(new, read_hf_config(path), **dict(TINY_ENGINE, cpu_matmul="onednn"))
+    assert swapped == token_ids(fresh.generate(prompts, greedy, use_tqdm=False))

@@ -97,33 +97,23 @@ def matmul_f32_acc(x: jax.Array, w: jax.Array, matmuls: kernels.MatmulKernels,
     each weight once: a batch-1 decode reads every weight per token. XLA:CPU read bf16 weights at
     ~9 GB/s against ~22 for the kernel on the largest projection ([576, 3072]: 398 vs 160 us per
     call), and float32 ones at ~19 GB/s over a token (batch-1 float32 TPOT 28.7 -> 23.8-25.7 ms
-    through the kernel, medians of alternating runs). Other 16-bit ``x`` with fewer than
+    through the kernel, medians of alternating runs). A weight packed for oneDNN
+    (``kernels.OnednnPackedWeight``, in its own orientation whatever ``contract`` says) goes to
+    oneDNN's matmul at every row count. Other 16-bit ``x`` with fewer than
     ``matmuls.min_16bit_rows`` rows are padded to that many (XLA:CPU routes a one-row bf16 dot to
     a slow GEMV; see ``kernels.capabilities``)."""
+    if isinstance(w, kernels.OnednnPackedWeight):  # packed at start-up (models.packed_weights): every row count
+        return kernels.onednn_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.n)
     dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
     native_layout = _native_matmul_layout(x, w, dims, matmuls)
     if native_layout is not None:
         return kernels.small_matmul_native(x, w, transposed=native_layout)
-    onednn_layout = _onednn_layout(x, w, dims, matmuls)
-    if onednn_layout is not None:
-        return kernels.onednn_matmul(x, w, transposed=onednn_layout)
     rows = x.shape[0]
     pad = (x.ndim == 2 and dims[0][0][0] == 1 and rows < matmuls.min_16bit_rows and x.dtype != jnp.float32)
     if pad:
         x = jnp.pad(x, ((0, matmuls.min_16bit_rows - rows), (0, 0)))
     out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
     return out[:rows] if pad else out
-
-
-def _onednn_layout(x, w, dims, matmuls: kernels.MatmulKernels) -> bool | None:
-    """Whether ``w`` is [N, K] (True) or [K, N] (False) when oneDNN's matmul takes this product
-    (``matmuls.onednn_dtypes``, rows, weight size, shapes); None when XLA's dot does."""
-    if x.dtype.name not in matmuls.onednn_dtypes or x.ndim != 2 or w.ndim != 2 or dims[0][0] != (1,):
-        return None
-    if x.shape[0] < matmuls.onednn_min_rows or w.size * w.dtype.itemsize < matmuls.onednn_min_weight_bytes:
-        return None
-    transposed = dims[0][1] == (1,)
-    return transposed if kernels.onednn_supported(x, w, transposed) else None
 
 
 def _native_matmul_layout(x, w, dims, matmuls: kernels.MatmulKernels) -> bool | None:

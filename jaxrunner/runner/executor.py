@@ -45,8 +45,8 @@ class Executor:
     max_num_spec_seqs = MAX_SPEC_SEQS
 
     def __init__(self, config: EngineConfig, model, draft=None):
-        self.model = model
         self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, model)
+        self.model = dataclasses.replace(model, params=self.runner.params)  # the plain ones go unless packing kept them
         self.max_prefill_seqs = config.max_num_prefill_seqs
         self.eos_token_ids = _eos_token_ids(model)
         self.draft_proposer = None
@@ -128,16 +128,16 @@ class Executor:
     # ------------------------------------------------------------------ weights
     @property
     def params(self):
-        return self.runner.params
+        return self.runner.plain_params()
 
     def check_weights(self, params) -> None:
-        weights.check_like(params, self.runner.params)
+        weights.check_like(params, self.runner.plain_params_like())
 
     def update_weights(self, params) -> None:
         self.check_weights(params)
-        placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.params))
-        self.runner.params = placed
-        self.model = dataclasses.replace(self.model, params=placed)
+        placed = weights.place_like(params, jax.tree.map(lambda leaf: leaf.sharding, self.runner.plain_params_like()))
+        self.runner.replace_params(placed)
+        self.model = dataclasses.replace(self.model, params=self.runner.params)
 
 
     # ------------------------------------------------------------------ adapters

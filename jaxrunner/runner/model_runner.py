@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner import kernels
-from jaxrunner.models import lora, registry
+from jaxrunner.models import lora, packed_weights, registry
 from jaxrunner.models.attention import PagedAttention
 from jaxrunner.models.config import ModelConfig
 from jaxrunner.models.params import param_shapes
@@ -205,6 +205,7 @@ class ModelRunner:
         pool = sharding.kv_pool_sharding(self.mesh)
         cache_shardings = [(pool,) * len(cache_spec.pool_shapes(attention_impl))] * cache_spec.num_layers
         self.batch_sharding = sharding.replicated(self.mesh)
+        own_architecture = architecture is None
         architecture = architecture if architecture is not None else registry.architecture_for(cfg, self.matmuls)
         max_loras = 0 if lora_spec is None else lora_spec.max_loras
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
@@ -214,9 +215,31 @@ class ModelRunner:
             self._jitted_step = jitted_step(architecture, attention, (step_params, cache_shardings,
                                                                       self.batch_sharding), max_loras)
         self._executables: dict = {}
-        self.params = jax.device_put(params, param_shardings)  # a no-op when already in place
+        # the family's linear weights, packed for oneDNN where `matmuls` says (a family's own
+        # architecture reads its params its own way: nothing is packed for it)
+        self._packed_leaves = registry.family_for_config(cfg).quantized_leaves if own_architecture else ()
+        self.params = self._for_step(jax.device_put(params, param_shardings))  # put: a no-op when in place
         self.kv_cache = cache_spec.allocate(pool, attention_impl)
         self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
+
+    def _for_step(self, params):
+        """``params`` as the step reads them: the linear weights packed for oneDNN where chosen."""
+        if not self._packed_leaves:
+            return params
+        return packed_weights.pack(params, self._packed_leaves, self.matmuls)
+
+    def plain_params(self):
+        """The params as the model holds them (``models.packed_weights.unpack``: new arrays where
+        the step reads packed weights)."""
+        return packed_weights.unpack(self.params)
+
+    def plain_params_like(self):
+        """Shapes, dtypes and shardings of :meth:`plain_params`, without unpacking."""
+        return packed_weights.plain_like(self.params)
+
+    def replace_params(self, params) -> None:
+        """Serve ``params`` (placed like :meth:`plain_params_like`) from the next step on."""
+        self.params = self._for_step(params)
 
     def _placed_slots(self, params) -> tuple[list, list]:
         """Zero adapter slots on the mesh, split as their projections are, and their shardings."""

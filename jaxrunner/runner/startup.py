@@ -87,11 +87,10 @@ def choose_matmuls(config: EngineConfig, platform: str):
 
 
 def _matmul_summary(matmuls) -> str:
-    """For the report: "onednn (bfloat16, 8+ rows, weights of 8+ MiB)" or "xla"."""
+    """For the report: "onednn (bfloat16 weights of 0+ MiB, packed)" or "xla"."""
     if not matmuls.onednn_dtypes:
         return "xla"
-    return (f"onednn ({'/'.join(matmuls.onednn_dtypes)}, {matmuls.onednn_min_rows}+ rows, weights of "
-            f"{matmuls.onednn_min_weight_bytes >> 20}+ MiB)")
+    return f"onednn ({'/'.join(matmuls.onednn_dtypes)} weights of {matmuls.onednn_min_weight_bytes >> 20}+ MiB, packed)"
 
 
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:

@@ -1,26 +1,44 @@
-// Matmul through oneDNN for XLA:CPU, as an XLA FFI custom call: y [M, N] float32 = x [M, K] . W,
-// x and W both bfloat16 or both float32, W either [K, N] (a projection) or [N, K] (the tied
-// embedding used as the LM head).
+// Matmul through oneDNN for XLA:CPU, on weights packed once into oneDNN's blocked layout, as XLA
+// FFI custom calls: y [M, N] float32 = x [M, K] . W, x and W both bfloat16 or both float32.
 //
 // Why: XLA:CPU's bf16 dot leaves AMX unused; oneDNN's brgemm kernels use it (the library torch and
-// vLLM's CPU build call), and ran a 1B model's bf16 projections faster than XLA's dot. Which products
-// come here is decided by the model (jaxrunner/models/linear.py) from the choice made at start-up
-// (jaxrunner/kernels/platform_support.py, a table of where it was measured faster).
+// vLLM's CPU build call). Two things decide how fast they run inside an XLA step:
+//   * The layout of W. From a plain row-major W, oneDNN repacks the weight into AMX's VNNI blocks
+//     on every call; packed once at load (JaxrunnerCpuOnednnPack), a call reads the blocks as they
+//     are: 1.3-1.7x the plain layout's speed on SmolLM2's and a 1B Llama's projections at 8-64 rows.
+//   * The threads. oneDNN's own OpenMP team and XLA's thread pool hand the cores back and forth:
+//     inside a step, two OpenMP threads ran no faster than one. Here W is packed as two halves of
+//     its columns (whole 64-column blocks), and the caller and the native kernels' one persistent
+//     helper (helper_thread.h) each run one half on oneDNN with a single thread. brgemm takes no
+//     row stride for its output (a strided one fell to oneDNN's reference kernel), so a half is
+//     computed into the thread's own buffer and copied into its columns while still in cache:
+//     returned as two results instead, XLA did not fuse their concatenation into what followed
+//     and copied them once more (a SmolLM2 decode step of 64 rows spent 5-7 % of its time there).
+// Which products come here is decided by the model (jaxrunner/models/packed_weights.py) from the
+// choice made at start-up (jaxrunner/kernels/platform_support.py, a table of where it was measured).
 //
-// One primitive per (M, K, N, dtype, layout), created on its first call -- during warm-up, which
-// runs every bucketed shape -- and kept for the life of the process: creating one costs far more
-// than running it. The weights stay in the layout the model holds them in (plain row-major), so
-// nothing is reordered per call. oneDNN runs on its own OpenMP threads; the calling XLA thread
-// waits for it, so the two pools do not compete.
+// Packed bytes: the halves one after the other, each starting at a multiple of 64 bytes, each in
+// the layout oneDNN chooses for a product of kPackRows rows (the same for every row count on the
+// CPUs measured; a primitive that cannot take it fails at warm-up, which runs every row count).
+// JaxrunnerOnednnPackedBytes (plain C, for ctypes) gives the size before anything is traced.
 //
-// Products of two bf16 values are exact in float32 and oneDNN accumulates in float32, as XLA's
-// bf16 x bf16 -> f32 dot does; only the order of the additions differs (float32 likewise).
+// One primitive per (M, K, N, half, dtype), created on its first call -- during warm-up, which runs
+// every bucketed shape -- and kept for the life of the process: creating one costs far more than
+// running it. Products of two bf16 values are exact in float32 and oneDNN accumulates in float32,
+// as XLA's bf16 x bf16 -> f32 dot does; only the order of the additions differs (float32 likewise).
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <vector>
 
+#include "helper_thread.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,69 +46,223 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int, bool>;  // M, K, N, dtype, W is [N, K]
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
 
-struct Cached {
-  dnnl::memory::desc x, w, y;
-  dnnl::matmul primitive;
-};
+constexpr int64_t kPackRows = 64;   // rows of the product the packed layout is chosen for
+constexpr int64_t kColumnBlock = 64;  // halves split at whole blocks of this many columns
+constexpr int64_t kAlign = 64;        // bytes: where each half starts
 
 dnnl::engine& Engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }
 
-// The primitive for one shape, created once. A primitive is immutable after creation and oneDNN
-// allows executing it from several threads at once, so a pointer to it outlives the lock.
-const Cached& Primitive(const Key& key) {
+dt DataType(bool bf16) { return bf16 ? dt::bf16 : dt::f32; }
+
+// oneDNN on this thread alone while it lives, then as before. oneDNN plans a primitive's work for
+// the threads OpenMP offers when the primitive is created and asks for that many when it runs, so
+// both happen inside one of these: a primitive planned for two threads started two OpenMP threads
+// per half, four on two cores.
+class SingleThreaded {
+ public:
+  SingleThreaded() : before_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~SingleThreaded() { omp_set_num_threads(before_); }
+
+ private:
+  int before_;
+};
+
+struct Half {
+  int64_t n0, n, offset;      // columns [n0, n0 + n); byte offset in the packed weight
+  dnnl::memory::desc packed;  // its blocked layout
+};
+
+struct Layout {
+  std::vector<Half> halves;  // one when N is under two blocks
+  int64_t bytes = 0;
+};
+
+// The packed layout of a [K, N] weight, decided once per shape and dtype.
+const Layout& PackedLayout(int64_t k, int64_t n, bool bf16) {
   static std::mutex mutex;
-  static std::map<Key, std::unique_ptr<Cached>> cache;
+  static std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<Layout>> cache;
   std::lock_guard<std::mutex> lock(mutex);
+  auto key = std::make_tuple(k, n, bf16);
   auto found = cache.find(key);
   if (found != cache.end()) return *found->second;
-  auto [m, k, n, bf16, transposed] = key;
-  using dt = dnnl::memory::data_type;
-  using tag = dnnl::memory::format_tag;
-  dt in = bf16 ? dt::bf16 : dt::f32;
-  auto cached = std::make_unique<Cached>();
-  cached->x = dnnl::memory::desc({m, k}, in, tag::ab);
-  cached->w = dnnl::memory::desc({k, n}, in, transposed ? tag::ba : tag::ab);
-  cached->y = dnnl::memory::desc({m, n}, dt::f32, tag::ab);
-  dnnl::matmul::primitive_desc pd(Engine(), cached->x, cached->w, cached->y);
-  cached->primitive = dnnl::matmul(pd);
-  return *cache.emplace(key, std::move(cached)).first->second;
+  auto layout = std::make_unique<Layout>();
+  SingleThreaded single;  // the layout chosen for the primitives that will read it
+  const int64_t blocks = (n + kColumnBlock - 1) / kColumnBlock;
+  const int64_t first = blocks >= 2 ? (blocks + 1) / 2 * kColumnBlock : n;
+  for (int64_t n0 = 0; n0 < n;) {
+    const int64_t width = std::min(first, n - n0);
+    dnnl::matmul::primitive_desc pd(Engine(), dnnl::memory::desc({kPackRows, k}, DataType(bf16), tag::ab),
+                                    dnnl::memory::desc({k, width}, DataType(bf16), tag::any),
+                                    dnnl::memory::desc({kPackRows, width}, dt::f32, tag::ab));
+    layout->halves.push_back({n0, width, layout->bytes, pd.weights_desc()});
+    layout->bytes += (int64_t(pd.weights_desc().get_size()) + kAlign - 1) / kAlign * kAlign;
+    n0 += width;
+  }
+  return *cache.emplace(key, std::move(layout)).first->second;
 }
 
-ffi::Error OnednnMatmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t transposed) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || x.element_type() != w.element_type()) {
-    return ffi::Error::InvalidArgument("onednn_matmul: x [M, K] and w, 2-D and of one dtype");
-  }
-  bool bf16 = x.element_type() == ffi::DataType::BF16;
-  if (!bf16 && x.element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("onednn_matmul: bf16 or float32 operands");
-  }
-  int64_t m = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
-  if ((transposed ? wd[1] : wd[0]) != k) return ffi::Error::InvalidArgument("onednn_matmul: K differs");
+struct Primitive {
+  dnnl::memory::desc x, y;
+  dnnl::matmul matmul;
+  size_t scratch_bytes;
+};
+
+// The primitive for one half at one row count, created once. A primitive is immutable after
+// creation and oneDNN allows executing it from several threads at once (each brings its own
+// scratchpad here), so a reference to it outlives the lock.
+const Primitive& PrimitiveFor(int64_t m, int64_t k, const Half& half, bool bf16) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>, std::unique_ptr<Primitive>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto key = std::make_tuple(m, k, half.n0, half.n, bf16);
+  auto found = cache.find(key);
+  if (found != cache.end()) return *found->second;
+  auto made = std::make_unique<Primitive>();
+  made->x = dnnl::memory::desc({m, k}, DataType(bf16), tag::ab);
+  made->y = dnnl::memory::desc({m, half.n}, dt::f32, tag::ab);  // contiguous: brgemm refuses a strided one
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(Engine(), made->x, half.packed, made->y, attr);
+  made->scratch_bytes = pd.scratchpad_desc().get_size();
+  made->matmul = dnnl::matmul(pd);
+  return *cache.emplace(key, std::move(made)).first->second;
+}
+
+struct Call {
+  const void* x;
+  const uint8_t* w;
+  float* y;  // [m, n]
+  int64_t m, k, n;
+  bool bf16;
+  const Layout* layout;
+};
+
+// Half `index` of a product, on the calling thread alone.
+void RunHalf(const void* context, int64_t index) {
+  const Call& call = *static_cast<const Call*>(context);
+  const Half& half = call.layout->halves[index];
+  SingleThreaded single;  // the other half has the other core
+  const Primitive& primitive = PrimitiveFor(call.m, call.k, half, call.bf16);
+  thread_local dnnl::stream stream(Engine());
+  thread_local std::vector<uint8_t> scratch;
+  thread_local std::vector<float> out;
+  if (scratch.size() < primitive.scratch_bytes) scratch.resize(primitive.scratch_bytes);
+  const bool whole = half.n == call.n;
+  if (!whole && out.size() < size_t(call.m * half.n)) out.resize(call.m * half.n);
+  dnnl::memory x(primitive.x, Engine(), const_cast<void*>(call.x));
+  dnnl::memory w(half.packed, Engine(), const_cast<uint8_t*>(call.w + half.offset));
+  dnnl::memory y(primitive.y, Engine(), whole ? call.y : out.data());
+  dnnl::memory s(dnnl::memory::desc({int64_t(primitive.scratch_bytes)}, dt::u8, tag::a), Engine(), scratch.data());
+  primitive.matmul.execute(stream, {{DNNL_ARG_SRC, x}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, y}, {DNNL_ARG_SCRATCHPAD, s}});
+  stream.wait();
+  if (!whole)
+    for (int64_t r = 0; r < call.m; ++r)
+      std::memcpy(call.y + r * call.n + half.n0, out.data() + r * half.n, half.n * sizeof(float));
+}
+
+// PackedLayout(k, n, bf16).bytes, or -1 when oneDNN has no matmul for the shape.
+int64_t PackedBytes(int64_t k, int64_t n, bool bf16) {
   try {
-    const Cached& cached = Primitive({m, k, n, bf16, transposed != 0});
-    dnnl::stream stream(Engine());
-    dnnl::memory xm(cached.x, Engine(), x.untyped_data());
-    dnnl::memory wm(cached.w, Engine(), w.untyped_data());
-    dnnl::memory ym(cached.y, Engine(), y->untyped_data());
-    cached.primitive.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}});
-    stream.wait();
+    return PackedLayout(k, n, bf16).bytes;
+  } catch (const dnnl::error&) {
+    return -1;
+  }
+}
+
+bool IsBf16(ffi::DataType type) { return type == ffi::DataType::BF16; }
+bool IsFloat(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::F32; }
+
+ffi::Error PackedMatmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t n) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || !IsFloat(x.element_type()) || w.element_type() != ffi::DataType::U8 ||
+      w.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("onednn packed matmul: x [M, K] bf16 or float32, w packed bytes");
+  const bool bf16 = IsBf16(x.element_type());
+  if (PackedBytes(xd[1], n, bf16) != int64_t(w.dimensions()[0]))
+    return ffi::Error::InvalidArgument("onednn packed matmul: w was packed for another K, N or dtype");
+  try {
+    const Layout& layout = PackedLayout(xd[1], n, bf16);
+    const Call call{x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
+                    static_cast<float*>(y->untyped_data()), xd[0], xd[1], n, bf16, &layout};
+    jaxrunner_cpu::HelperThread::Run(RunHalf, &call, int64_t(layout.halves.size()));
   } catch (const dnnl::error& err) {
-    return ffi::Error::Internal(std::string("onednn_matmul: ") + err.what());
+    return ffi::Error::Internal(std::string("onednn packed matmul: ") + err.what());
   }
   return ffi::Error::Success();
 }
 
+// Plain W ([K, N], or [N, K] when transposed) to packed bytes (to_packed), or back.
+ffi::Error Reorder(void* plain, uint8_t* packed, int64_t k, int64_t n, bool bf16, bool transposed, bool to_packed) {
+  try {
+    const Layout& layout = PackedLayout(k, n, bf16);
+    const int64_t item = bf16 ? 2 : 4;
+    dnnl::stream stream(Engine());
+    if (to_packed) std::memset(packed, 0, layout.bytes);  // padding and gaps: defined bytes
+    for (const Half& half : layout.halves) {
+      const dnnl::memory::dims strides = transposed ? dnnl::memory::dims{1, k} : dnnl::memory::dims{n, 1};
+      uint8_t* base = static_cast<uint8_t*>(plain) + (transposed ? half.n0 * k : half.n0) * item;
+      dnnl::memory plain_half(dnnl::memory::desc({k, half.n}, DataType(bf16), strides), Engine(), base);
+      dnnl::memory packed_half(half.packed, Engine(), packed + half.offset);
+      dnnl::memory& from = to_packed ? plain_half : packed_half;
+      dnnl::memory& to = to_packed ? packed_half : plain_half;
+      dnnl::reorder(from, to).execute(stream, from, to);
+    }
+    stream.wait();
+  } catch (const dnnl::error& err) {
+    return ffi::Error::Internal(std::string("onednn pack: ") + err.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Pack(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, int64_t transposed) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2 || !IsFloat(w.element_type()))
+    return ffi::Error::InvalidArgument("onednn pack: w [K, N] or [N, K], bf16 or float32");
+  const int64_t k = transposed ? wd[1] : wd[0], n = transposed ? wd[0] : wd[1];
+  if (PackedBytes(k, n, IsBf16(w.element_type())) != int64_t(packed->dimensions()[0]))
+    return ffi::Error::InvalidArgument("onednn pack: the output is not the packed size");
+  return Reorder(w.untyped_data(), static_cast<uint8_t*>(packed->untyped_data()), k, n, IsBf16(w.element_type()),
+                 transposed != 0, true);
+}
+
+ffi::Error Unpack(ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> w, int64_t transposed) {
+  const auto wd = w->dimensions();
+  if (wd.size() != 2 || !IsFloat(w->element_type()))
+    return ffi::Error::InvalidArgument("onednn unpack: w [K, N] or [N, K], bf16 or float32");
+  const int64_t k = transposed ? wd[1] : wd[0], n = transposed ? wd[0] : wd[1];
+  if (PackedBytes(k, n, IsBf16(w->element_type())) != int64_t(packed.dimensions()[0]))
+    return ffi::Error::InvalidArgument("onednn unpack: the input is not the packed size");
+  return Reorder(w->untyped_data(), static_cast<uint8_t*>(packed.untyped_data()), k, n, IsBf16(w->element_type()),
+                 transposed != 0, false);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnMatmul, OnednnMatmul,
+// Bytes of a packed [K, N] weight (bf16 != 0: bfloat16, else float32); -1 when oneDNN has no
+// matmul for it.
+extern "C" int64_t JaxrunnerOnednnPackedBytes(int64_t k, int64_t n, int64_t bf16) { return PackedBytes(k, n, bf16 != 0); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] bf16 or f32
-                                  .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K], x's dtype
+                                  .Arg<ffi::AnyBuffer>()  // w: packed bytes (JaxrunnerCpuOnednnPack)
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32
+                                  .Attr<int64_t>("n"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnPack, Pack,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N], or [N, K] when transposed
+                                  .Ret<ffi::AnyBuffer>()  // packed bytes
+                                  .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnUnpack, Unpack,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // packed bytes
+                                  .Ret<ffi::AnyBuffer>()  // w [K, N], or [N, K] when transposed
                                   .Attr<int64_t>("transposed"));
