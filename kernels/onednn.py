@@ -1,6 +1,6 @@
 """oneDNN's matmul for XLA:CPU (``cpu/onednn_matmul.cc``), called through XLA's FFI, on weights
-packed once into oneDNN's blocked layout (:class:`OnednnPackedWeight`): where oneDNN's AMX kernels outrun
-XLA's dot, the model's products of every row count go there.
+packed once into oneDNN's blocked layout (:class:`OnednnPackedWeight`): where oneDNN's AMX
+kernels outrun XLA's dot, the model's products of every row count go there.
 
 oneDNN comes from PyPI: ``onednn-cpu-gomp`` (the library, built with GNU OpenMP, which every Linux
 with gcc has) and ``onednn-devel-cpu-gomp`` (its headers), default dependencies on x86-64 Linux.
@@ -36,7 +36,8 @@ SYMBOLS = {TARGET_NAME: "JaxrunnerCpuOnednnMatmul", PACK_TARGET: "JaxrunnerCpuOn
 LIBRARY = "libdnnl.so.3"
 HEADER = "oneapi/dnnl/dnnl.hpp"
 DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # the library, its headers
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp")  # the glue only: oneDNN picks its kernels at run time
+# the glue only (oneDNN picks its kernels at run time); OpenMP to keep oneDNN on one thread per half
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 
 
 def find_onednn() -> tuple[Path, Path]:
@@ -105,8 +106,8 @@ def unavailable_reason() -> str | None:
 @dataclasses.dataclass(frozen=True)
 class OnednnPackedWeight:
     """A [K, N] weight in oneDNN's blocked layout: ``data`` holds the bytes, the rest is static.
-    ``transposed``: the plain weight it came from was [N, K] (a tied embedding used as the LM head),
-    which :func:`onednn_unpack` gives back."""
+    ``transposed``: the plain weight it came from was [N, K] (an embedding's orientation), which
+    :func:`onednn_unpack` gives back."""
     data: jax.Array
     k: int
     n: int
