@@ -29,7 +29,7 @@ CPU_MIN_16BIT_ROWS = 4
 # scripts/bench_matmul.py (both in one process, alternating) and checked end to end with the
 # throughput and latency benchmarks; a CPU kind not listed keeps XLA's dot until measured.
 ONEDNN_FASTER = (
-    ("amx_bf16", ("bfloat16",), 8 << 20),
+    ("amx_bf16", ("bfloat16", "float32"), 8 << 20),
 )
 NOT_FASTER = ((), 0)
 
