@@ -38,8 +38,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES),
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--cpu-matmul", default="auto", choices=list(CPU_MATMUL_CHOICES),
-                        help="CPU products of several rows (auto: oneDNN where measured faster on this CPU kind, "
-                             "else XLA's dot)")
+                        help="CPU linear products (auto: weights packed for oneDNN where measured faster on this "
+                             "CPU kind, else XLA's dot)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     parser.add_argument("--coordinator-address", default=None,

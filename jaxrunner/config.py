@@ -38,7 +38,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True           # plan step N+1 while step N runs on the device
     attention_impl: str = "auto"            # auto | pallas | jax_tpu (TPU) | native (CPU) | xla | reference
-    cpu_matmul: str = "auto"                # auto | xla | onednn: where a CPU's products of several rows run
+    cpu_matmul: str = "auto"                # auto | xla | onednn: where a CPU's linear products run
     kv_cache_dtype: str | None = None       # defaults to dtype (float32 for bf16 on CPU without the native kernel)
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use

@@ -27,6 +27,7 @@ ATTENTION_IMPL_CHOICES = (AUTO, *ATTENTION_IMPLS)
 """What a user may ask for: ``auto`` (the best that runs for the model's shapes) or one implementation."""
 
 CPU_MATMUL_CHOICES = (AUTO, "xla", "onednn")
-"""Where a CPU engine's float products of several rows run (``EngineConfig.cpu_matmul``): ``auto``
-(oneDNN where it was measured faster on this CPU kind, see ``platform_support.ONEDNN_FASTER``),
-``xla`` (XLA's dot) or ``onednn`` (oneDNN's matmul for every bf16 and float32 one)."""
+"""Where a CPU engine's float linear products run (``EngineConfig.cpu_matmul``): ``auto`` (weights
+packed for oneDNN's matmul where it was measured faster on this CPU kind, see
+``platform_support.ONEDNN_FASTER``), ``xla`` (XLA's dot) or ``onednn`` (every bf16 and float32
+weight packed for oneDNN)."""

@@ -53,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
                    help="wait for each step before planning the next (no host/device overlap)")
     g.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES))
     g.add_argument("--cpu-matmul", default="auto", choices=list(CPU_MATMUL_CHOICES),
-                   help="CPU products of several rows: oneDNN or XLA's dot (auto: as measured per CPU kind)")
+                   help="CPU linear products: packed oneDNN or XLA's dot (auto: as measured per CPU kind)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     g.add_argument("--compilation-cache-dir", default=None,

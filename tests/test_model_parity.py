@@ -95,7 +95,7 @@ ONEDNN_ALL = kernels.MatmulKernels(onednn_dtypes=("float32", "bfloat16"))
 @pytest.mark.skipif(ONEDNN_MISSING is not None, reason=f"oneDNN unavailable: {ONEDNN_MISSING}")
 @pytest.mark.parametrize("dtype, bar", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_logits_on_onednn_matmuls_match_transformers(tmp_path, dtype, bar):
-    """Every product of several rows through oneDNN (the tied LM head included), against transformers."""
+    """Every layer product through oneDNN on packed weights, against transformers."""
     path = build_tiny_checkpoint(tmp_path / "tied", "llama", seed=3, tied=True)
     ids = np.random.default_rng(4).integers(0, 512, 64)
     ref = hf_logits(path, ids, getattr(torch, dtype))

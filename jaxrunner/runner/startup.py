@@ -87,7 +87,7 @@ def choose_matmuls(config: EngineConfig, platform: str):
 
 
 def _matmul_summary(matmuls) -> str:
-    """For the report: "onednn (bfloat16 weights of 0+ MiB, packed)" or "xla"."""
+    """For the report: "onednn (bfloat16/float32 weights of 8+ MiB, packed)" or "xla"."""
     if not matmuls.onednn_dtypes:
         return "xla"
     return f"onednn ({'/'.join(matmuls.onednn_dtypes)} weights of {matmuls.onednn_min_weight_bytes >> 20}+ MiB, packed)"
