@@ -38,6 +38,7 @@ else:
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
         "small_matmul_native": "native", "small_matmul_supported": "native",
         "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",
+        "onednn_quant_matmul": "onednn",
         "OnednnPackedWeight": "onednn",
     }
     __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", "CPU_MATMUL_CHOICES", *_PUBLIC]

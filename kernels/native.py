@@ -255,7 +255,7 @@ def quantized_matmul_native(x, w: dict):
     offsets = w.get("offsets")
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET_NAME,
                             jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
-    return call(x, w["packed"], w["scales"], _offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
+    return call(x, w["packed"], w["scales"], offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
 
 
 def dequantize_native(w: dict, after=None):
@@ -271,10 +271,10 @@ def dequantize_native(w: dict, after=None):
     k = packed.shape[1] * (2 if packed.dtype == jnp.uint8 else 1)
     call = jax.ffi.ffi_call(DEQUANTIZE_TARGET_NAME, jax.ShapeDtypeStruct((packed.shape[0], k), jnp.float32))
     return call(jnp.zeros((1,), jnp.float32) if after is None else after, packed, w["scales"],
-                _offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
+                offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
 
 
-def _offsets_or_placeholder(w: dict):
+def offsets_or_placeholder(w: dict):
     """The leaf's offsets, or an unread array of its scales' dtype (the kernel takes both typed alike)."""
     offsets = w.get("offsets")
     return jnp.zeros((1, 1), w["scales"].dtype) if offsets is None else offsets

@@ -31,13 +31,15 @@ logger = logging.getLogger("jaxrunner")
 SOURCE = native.CPU_DIR / "onednn_matmul.cc"
 TARGET_NAME = "jaxrunner_cpu_onednn_matmul"
 PACK_TARGET, UNPACK_TARGET = "jaxrunner_cpu_onednn_pack", "jaxrunner_cpu_onednn_unpack"
+QUANT_TARGET = "jaxrunner_cpu_onednn_quant_matmul"
 SYMBOLS = {TARGET_NAME: "JaxrunnerCpuOnednnMatmul", PACK_TARGET: "JaxrunnerCpuOnednnPack",
-           UNPACK_TARGET: "JaxrunnerCpuOnednnUnpack"}
+           UNPACK_TARGET: "JaxrunnerCpuOnednnUnpack", QUANT_TARGET: "JaxrunnerCpuOnednnQuantMatmul"}
 LIBRARY = "libdnnl.so.3"
 HEADER = "oneapi/dnnl/dnnl.hpp"
 DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # the library, its headers
-# the glue only (oneDNN picks its kernels at run time); OpenMP to keep oneDNN on one thread per half
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+# the glue only (oneDNN picks its kernels at run time); OpenMP to keep oneDNN on one thread per half;
+# no contraction into fused multiply-adds, so that unpacked weights round as quant.dequantize rounds them
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 
 
 def find_onednn() -> tuple[Path, Path]:
@@ -74,7 +76,8 @@ def _load() -> ctypes.CDLL:
     include, lib = find_onednn()
     cxx = native.compiler()
     flags = (*FLAGS, f"-I{include}")
-    path = native.library_path(TARGET_NAME, cxx, (SOURCE, native.CPU_DIR / "helper_thread.h", include / HEADER),
+    path = native.library_path(TARGET_NAME, cxx, (SOURCE, native.CPU_DIR / "helper_thread.h", native.CPU_DIR / "dequantize_tile.h",
+                                                include / HEADER),
                                (*flags, str(lib)))
     if not path.exists():
         native.build_library(cxx, path, (SOURCE,), flags, (f"-L{lib}", f"-l:{LIBRARY}", f"-Wl,-rpath,{lib}"))
@@ -174,3 +177,20 @@ def onednn_matmul(x: jax.Array, w: OnednnPackedWeight) -> jax.Array:
                          f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
     return call(x, w.data, n=np.int64(w.n))
+
+
+def onednn_quant_matmul(x: jax.Array, w: dict) -> jax.Array:
+    """``x`` [M, K] bf16 times a weight-only int4/int8 leaf (``jaxrunner/models/quant.py``, [N, K]
+    orientation, as it is), float32 [M, N]: each tile of the weight's columns is unpacked into
+    bf16 in oneDNN's AMX layout and multiplied while in cache (``cpu/dequantize_tile.h``). Needs
+    AVX512-BF16; groups must be whole runs of 32 (:func:`native.quantized_matmul_supported`)."""
+    if x.dtype != jnp.bfloat16 or not native.quantized_matmul_supported(x, w):
+        raise ValueError(f"the oneDNN quantized matmul takes x [rows, K] bf16 and a weight-only leaf with groups "
+                         f"of whole runs of 32; got x {x.dtype}{list(x.shape)}, packed "
+                         f"{w['packed'].dtype}{list(w['packed'].shape)}, scales {list(w['scales'].shape)}")
+    library = _library()
+    if isinstance(library, str):
+        raise native.NativeKernelUnavailable(library)
+    call = jax.ffi.ffi_call(QUANT_TARGET, jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
+    return call(x, w["packed"], w["scales"], native.offsets_or_placeholder(w),
+                has_offsets=np.int64("offsets" in w))

@@ -24,14 +24,15 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # XLA:CPU routes a one-row 16-bit dot to a GEMV that measured 9x slower than the same dot with
 # four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms), so such dots are padded to four.
 CPU_MIN_16BIT_ROWS = 4
-# Where oneDNN's matmul on packed weights beat XLA's dot, per CPU kind: (the CPU flag, the weight
-# dtypes, the smallest weight in bytes); the first row whose flag the CPU has applies. Read off
+# Where oneDNN's matmul beat XLA's dot, per CPU kind: (the CPU flag, the dtypes of the weights
+# packed for it, the smallest such weight in bytes, the activation dtypes whose weight-only int4/int8
+# products of many rows it takes); the first row whose flag the CPU has applies. Read off
 # scripts/bench_matmul.py (both in one process, alternating) and checked end to end with the
 # throughput and latency benchmarks; a CPU kind not listed keeps XLA's dot until measured.
 ONEDNN_FASTER = (
-    ("amx_bf16", ("bfloat16", "float32"), 8 << 20),
+    ("amx_bf16", ("bfloat16", "float32"), 8 << 20, ("bfloat16",)),
 )
-NOT_FASTER = ((), 0)
+NOT_FASTER = ((), 0, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,9 @@ class MatmulKernels:
       (``models.packed_weights``), and their products, of every row count, run on oneDNN's matmul
       (:func:`onednn_matmul`: AMX and AVX-512 kernels, faster than XLA's dot where
       :func:`capabilities` chooses it); empty: none.
+    * ``onednn_weight_only``: activation dtypes (bf16 only) whose weight-only int8/int4 products
+      of more rows than the native kernel takes run on oneDNN, the weights unpacked a tile at a time
+      into its AMX layout (:func:`onednn_quant_matmul`); empty: XLA's dot after dequantizing.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -61,6 +65,7 @@ class MatmulKernels:
     min_16bit_rows: int = 1
     onednn_dtypes: tuple[str, ...] = ()
     onednn_min_weight_bytes: int = 0
+    onednn_weight_only: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("one_row", "weight_only"):
@@ -69,6 +74,9 @@ class MatmulKernels:
         if not isinstance(self.onednn_dtypes, tuple) or not set(self.onednn_dtypes) <= {"float32", "bfloat16"}:
             raise ValueError(f"MatmulKernels.onednn_dtypes: expected a tuple of 'float32' and 'bfloat16', "
                              f"got {self.onednn_dtypes!r}")
+        if not isinstance(self.onednn_weight_only, tuple) or not set(self.onednn_weight_only) <= {"bfloat16"}:
+            raise ValueError(f"MatmulKernels.onednn_weight_only: expected () or ('bfloat16',), "
+                             f"got {self.onednn_weight_only!r}")
         if not isinstance(self.onednn_min_weight_bytes, int) or self.onednn_min_weight_bytes < 0:
             raise ValueError(f"MatmulKernels.onednn_min_weight_bytes: expected an integer >= 0, "
                              f"got {self.onednn_min_weight_bytes!r}")
@@ -165,7 +173,7 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     if onednn[0] and onednn_unavailable(platform) is not None:  # built only where the table would use it
         onednn = NOT_FASTER
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
-                         onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1])
+                         onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2])
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:
@@ -175,9 +183,10 @@ def onednn_unavailable(platform: str = "cpu") -> str | None:
     return onednn.unavailable_reason()
 
 
-def _onednn_faster() -> tuple[tuple[str, ...], int]:
+def _onednn_faster() -> tuple[tuple[str, ...], int, tuple[str, ...]]:
     """(dtypes, smallest weight in bytes) of the packed weights whose products oneDNN runs faster than
-    XLA's dot on this CPU, from :data:`ONEDNN_FASTER` (the first row whose CPU flag is present)."""
+    XLA's dot on this CPU, and the activation dtypes of the weight-only products it runs faster,
+    from :data:`ONEDNN_FASTER` (the first row whose CPU flag is present)."""
     flags = set(native.cpu_features())
     for flag, *faster in ONEDNN_FASTER:
         if flag in flags:
@@ -197,7 +206,7 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
     if caps.platform != "cpu":
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
-        return dataclasses.replace(chosen, onednn_dtypes=()), "asked for"
+        return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=()), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:
@@ -206,11 +215,13 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         if caps.device_count != 1:
             raise ValueError(f"cpu_matmul='onednn' runs on one CPU device, not {caps.device_count}; valid here: "
                              f"'auto' or 'xla'")
-        return dataclasses.replace(chosen, onednn_dtypes=("float32", "bfloat16"), onednn_min_weight_bytes=0), \
+        return dataclasses.replace(chosen, onednn_dtypes=("float32", "bfloat16"), onednn_min_weight_bytes=0,
+                                   onednn_weight_only=("bfloat16",) if "avx512_bf16" in native.cpu_features() else ()), \
             "asked for"
     if chosen.onednn_dtypes:
         return chosen, (f"CPU: oneDNN for the products of {'/'.join(chosen.onednn_dtypes)} weights of "
-                        f"{chosen.onednn_min_weight_bytes >> 20}+ MiB, packed at start-up (measured faster than "
+                        f"{chosen.onednn_min_weight_bytes >> 20}+ MiB, packed at start-up, and of int8/int4 weights "
+                        f"with {'/'.join(chosen.onednn_weight_only) or 'no'} activations (measured faster than "
                         f"XLA's dot on this CPU kind)")
     if caps.device_count != 1:
         return chosen, f"CPU: XLA's dot ({caps.device_count} CPU devices: the custom call is not partitioned)"

@@ -13,8 +13,8 @@ import pytest
 
 from jaxrunner import kernels
 from jaxrunner.config import EngineConfig
-from jaxrunner.kernels import onednn
-from jaxrunner.models import linear
+from jaxrunner.kernels import native, onednn
+from jaxrunner.models import linear, quant
 from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only_its_output, custom_calls, normal
 
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
@@ -132,6 +132,83 @@ def test_the_chosen_weights_are_packed_and_their_products_go_to_onednn():
     assert like["layers"][0]["wqkv"].shape == w.shape and like["embed"] is embed
 
 
+# ----------------------------------------------------------------------------- weight-only int4/int8
+needs_avx512_bf16 = pytest.mark.skipif(
+    onednn.unavailable_reason() is not None or "avx512_bf16" not in native.cpu_features(),
+    reason="oneDNN's weight-only products unpack to bf16 with AVX512-BF16, which this CPU lacks")
+
+
+def _weight_only_leaf(rng, fmt: str, n: int, k: int, group: int, scale_dtype) -> dict:
+    """A random weight-only leaf ([N, K] orientation, models/quant.py): every code, scales and
+    offsets of both signs where the format has them."""
+    groups = k // (group or k)  # group 0: one scale per output
+    scales = jnp.asarray(rng.uniform(0.005, 0.05, (n, groups)) * rng.choice([-1, 1], (n, groups)), scale_dtype)
+    if fmt == "int8":
+        return {"packed": jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8), "scales": scales}
+    return {"packed": jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8), "scales": scales,
+            "offsets": jnp.asarray(rng.uniform(-0.2, 0.2, (n, groups)), scale_dtype)}
+
+
+def _dequantized_bf16(leaf):
+    """The bf16 weight [N, K] the kernel multiplies: quant.dequantize in float32, rounded once."""
+    return quant.dequantize(leaf, jnp.float32).astype(jnp.bfloat16)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("fmt, group, scale_dtype", [("int4", 32, jnp.float16), ("int4", 64, jnp.float32),
+                                                     ("int8", 32, jnp.float16), ("int8", 0, jnp.float32)])
+@pytest.mark.parametrize("rows", [1, 17, 130])
+@pytest.mark.parametrize("k, n", [(576, 960), (64, 100), (2048, 300)])
+def test_weight_only_products_match_their_bf16_weights(fmt, group, scale_dtype, rows, k, n):
+    """Unpacked a tile at a time into oneDNN's layout, each weight rounds to bf16 as
+    ``quant.dequantize`` then a cast rounds it, so the product is that bf16 weight's within float32
+    summation error: GGUF-style float16 scales and float32 ones, int4 groups of 32 and 64, int8 per
+    group and per channel; one tile or several, one half or two, a part-filled last block."""
+    rng = np.random.default_rng(rows * 7 + k + n + group)
+    leaf = _weight_only_leaf(rng, fmt, n, k, group, scale_dtype)
+    x = normal(rng, (rows, k))
+    got = jax.jit(onednn.onednn_quant_matmul)(x, leaf)
+    assert_matches_float64(got, x, _dequantized_bf16(leaf), transposed=True)
+
+
+@needs_avx512_bf16
+def test_a_weight_only_output_sees_only_its_own_weights():
+    """A NaN scale poisons its output alone, in every tile and at the halves' seam (no stray reads of
+    the neighbouring outputs or of the padding)."""
+    rng = np.random.default_rng(3)
+    leaf = _weight_only_leaf(rng, "int4", 300, 2048, 32, jnp.float32)
+    poisoned = (5, 191, 192, 299)
+    leaf["scales"] = leaf["scales"].at[poisoned, 7].set(jnp.nan)
+    got = np.asarray(jax.jit(onednn.onednn_quant_matmul)(normal(rng, (40, 2048)), leaf))
+    assert np.isnan(got[:, poisoned]).all() and np.isfinite(np.delete(got, poisoned, axis=1)).all()
+
+
+@needs_onednn
+def test_many_bf16_rows_of_weight_only_products_go_to_onednn():
+    """With ``onednn_weight_only``, bf16 products of ``ONEDNN_QUANT_MIN_ROWS`` rows or more go to
+    oneDNN; fewer stay on the native kernel, and float32 rows never go."""
+    matmuls = kernels.MatmulKernels(weight_only="native", onednn_weight_only=("bfloat16",))
+    leaf = _weight_only_leaf(np.random.default_rng(4), "int4", 96, 64, 32, jnp.float16)
+    product = functools.partial(linear.linear_f32, matmuls=matmuls)
+    fewest = linear.ONEDNN_QUANT_MIN_ROWS
+    for rows, dtype, want in ((fewest - 1, jnp.bfloat16, 0), (fewest, jnp.bfloat16, 1), (64, jnp.bfloat16, 1),
+                              (64, jnp.float32, 0)):
+        x = jnp.zeros((rows, 64), dtype)
+        assert custom_calls(onednn.QUANT_TARGET, product, x, leaf) == want, (rows, dtype)
+        assert custom_calls(native.QUANT_MATMUL_TARGET_NAME, product, x, leaf) == (rows < fewest), (rows, dtype)
+    without = functools.partial(linear.linear_f32, matmuls=kernels.MatmulKernels(weight_only="native"))
+    assert custom_calls(onednn.QUANT_TARGET, without, jnp.zeros((64, 64), jnp.bfloat16), leaf) == 0
+
+
+@needs_onednn
+def test_weight_only_inputs_it_cannot_take_say_why():
+    leaf = _weight_only_leaf(np.random.default_rng(5), "int4", 64, 64, 32, jnp.float16)
+    with pytest.raises(ValueError, match="the oneDNN quantized matmul takes x \\[rows, K\\] bf16"):
+        onednn.onednn_quant_matmul(jnp.zeros((20, 64), jnp.float32), leaf)
+    with pytest.raises(ValueError, match="groups of whole runs of 32"):
+        onednn.onednn_quant_matmul(jnp.zeros((20, 96), jnp.bfloat16), leaf)
+
+
 # ----------------------------------------------------------------------------- the engine option
 def test_cpu_matmul_option_is_checked_before_anything_loads():
     with pytest.raises(ValueError, match=r"EngineConfig.cpu_matmul: invalid value 'mkl'; valid: .*'onednn'"):
@@ -144,7 +221,7 @@ def test_choose_matmuls_resolves_each_choice():
     auto, why = kernels.choose_matmuls("auto", "cpu")
     assert auto == kernels.capabilities("cpu").matmuls and why.startswith("CPU: ")
     xla, _ = kernels.choose_matmuls("xla", "cpu")
-    assert xla.onednn_dtypes == () and xla.one_row == auto.one_row  # the one-row kernel is not this choice
+    assert xla.onednn_dtypes == () == xla.onednn_weight_only and xla.one_row == auto.one_row  # the one-row kernel is not this choice
     gpu, why = kernels.choose_matmuls("onednn", "gpu")
     assert gpu == kernels.XLA_MATMULS and "gpu" in why  # a CPU option: elsewhere it changes nothing
     if onednn.unavailable_reason() is None:
@@ -194,3 +271,21 @@ def test_an_engine_on_packed_weights_shows_and_swaps_plain_ones(tiny_checkpoints
     jax.tree.map(np.testing.assert_array_equal, llm.params, new)
     fresh = LLM.from_params(new, read_hf_config(path), **dict(TINY_ENGINE, cpu_matmul="onednn"))
     assert swapped == token_ids(fresh.generate(prompts, greedy, use_tqdm=False))
+
+
+@needs_avx512_bf16
+def test_an_int4_engine_on_onednn_generates_what_it_does_on_xla(tiny_checkpoints):
+    """bf16 activations, int4 weights: prefill chunks of more rows than the native kernel takes run
+    on oneDNN (the same bf16 weights, summed in another order), and the greedy tokens are those
+    of the engine on XLA's dot."""
+    from engine_helpers import make_llm, random_prompts, token_ids
+    from jaxrunner import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(4, 512, 20, 60, seed=7)
+    tokens = {}
+    for choice in ("onednn", "xla"):
+        llm = make_llm(tiny_checkpoints["llama"], dtype="bfloat16", quantization="int4", cpu_matmul=choice)
+        assert llm.engine.executor.runner.matmuls.onednn_weight_only == (("bfloat16",) if choice == "onednn" else ())
+        tokens[choice] = token_ids(llm.generate(prompts, greedy, use_tqdm=False))
+    assert tokens["onednn"] == tokens["xla"]

@@ -19,6 +19,10 @@ NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured s
 # registers; up to 16 its tiled path still beat dequantize-then-dot in XLA, but a 128-row prefill
 # chunk ran faster through XLA's dot.
 NATIVE_QUANT_ROWS = 16
+# Where oneDNN takes weight-only products (``MatmulKernels.onednn_weight_only``), it does from this
+# many rows: on AMX it ran 1.3-1.9x the native kernel at 5-8 rows, 2-2.6x at 16, and the native
+# kernel's integer dot products of up to 4 rows beat it (scripts/bench_matmul.py --quantization int4).
+ONEDNN_QUANT_MIN_ROWS = 5
 
 
 def linear(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
@@ -53,13 +57,18 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     With the native weight-only kernel (``matmuls.weight_only``: one CPU device), up to
     ``NATIVE_QUANT_ROWS`` rows go to it: it unpacks the weights in registers and reads each byte
     once (a batch-1 decode streams the whole model per token, so bytes are time; a batch of decodes
-    likewise). More rows go to XLA's dot with float32 accumulation, the weight dequantized first:
-    by the native kernel for float32 ``x`` (XLA's own unpacking fusion was several times slower),
-    by XLA in ``x``'s dtype otherwise."""
+    likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
+    ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead, the weight unpacked a
+    tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
+    the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own unpacking fusion
+    was several times slower), by XLA in ``x``'s dtype otherwise."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     native_path = _native_quant_path(x2, w, matmuls)
-    if native_path == "matmul":
+    if (x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only
+            and kernels.quantized_matmul_supported(x2, w)):
+        out = kernels.onednn_quant_matmul(x2, w)
+    elif native_path == "matmul":
         out = kernels.quantized_matmul_native(x2, w)
     else:
         if native_path == "dequantize":

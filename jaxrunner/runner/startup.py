@@ -87,10 +87,15 @@ def choose_matmuls(config: EngineConfig, platform: str):
 
 
 def _matmul_summary(matmuls) -> str:
-    """For the report: "onednn (bfloat16/float32 weights of 8+ MiB, packed)" or "xla"."""
-    if not matmuls.onednn_dtypes:
-        return "xla"
-    return f"onednn ({'/'.join(matmuls.onednn_dtypes)} weights of {matmuls.onednn_min_weight_bytes >> 20}+ MiB, packed)"
+    """For the report: "onednn (bfloat16/float32 weights of 8+ MiB, packed; int8/int4 weights with
+    bfloat16 activations)" or "xla"."""
+    parts = []
+    if matmuls.onednn_dtypes:
+        parts.append(f"{'/'.join(matmuls.onednn_dtypes)} weights of {matmuls.onednn_min_weight_bytes >> 20}+ MiB, "
+                     f"packed")
+    if matmuls.onednn_weight_only:
+        parts.append(f"int8/int4 weights with {'/'.join(matmuls.onednn_weight_only)} activations")
+    return f"onednn ({'; '.join(parts)})" if parts else "xla"
 
 
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:

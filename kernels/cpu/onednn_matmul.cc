@@ -1,5 +1,7 @@
-// Matmul through oneDNN for XLA:CPU, on weights packed once into oneDNN's blocked layout, as XLA
-// FFI custom calls: y [M, N] float32 = x [M, K] . W, x and W both bfloat16 or both float32.
+// Matmul through oneDNN for XLA:CPU, as XLA FFI custom calls: y [M, N] float32 = x [M, K] . W, on
+// weights packed once into oneDNN's blocked layout (x and W both bfloat16 or both float32), and on
+// weight-only int4/int8 weights as they are, a tile of columns unpacked at a time (x bfloat16; see
+// the section below and dequantize_tile.h).
 //
 // Why: XLA:CPU's bf16 dot leaves AMX unused; oneDNN's brgemm kernels use it (the library torch and
 // vLLM's CPU build call). Two things decide how fast they run inside an XLA step:
@@ -14,8 +16,9 @@
 //     computed into the thread's own buffer and copied into its columns while still in cache:
 //     returned as two results instead, XLA did not fuse their concatenation into what followed
 //     and copied them once more (a SmolLM2 decode step of 64 rows spent 5-7 % of its time there).
-// Which products come here is decided by the model (jaxrunner/models/packed_weights.py) from the
-// choice made at start-up (jaxrunner/kernels/platform_support.py, a table of where it was measured).
+// Which products come here is decided by the model (jaxrunner/models/packed_weights.py, and
+// models/linear.py for weight-only ones) from the choice made at start-up
+// (jaxrunner/kernels/platform_support.py, a table of where it was measured).
 //
 // Packed bytes: the halves one after the other, each starting at a multiple of 64 bytes, each in
 // the layout oneDNN chooses for a product of kPackRows rows (the same for every row count on the
@@ -30,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -38,6 +42,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dequantize_tile.h"
 #include "helper_thread.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -73,6 +78,12 @@ class SingleThreaded {
   int before_;
 };
 
+// Columns of the first of two halves: whole blocks of kColumnBlock; all of them under two blocks.
+int64_t FirstHalfWidth(int64_t n) {
+  const int64_t blocks = (n + kColumnBlock - 1) / kColumnBlock;
+  return blocks >= 2 ? (blocks + 1) / 2 * kColumnBlock : n;
+}
+
 struct Half {
   int64_t n0, n, offset;      // columns [n0, n0 + n); byte offset in the packed weight
   dnnl::memory::desc packed;  // its blocked layout
@@ -93,8 +104,7 @@ const Layout& PackedLayout(int64_t k, int64_t n, bool bf16) {
   if (found != cache.end()) return *found->second;
   auto layout = std::make_unique<Layout>();
   SingleThreaded single;  // the layout chosen for the primitives that will read it
-  const int64_t blocks = (n + kColumnBlock - 1) / kColumnBlock;
-  const int64_t first = blocks >= 2 ? (blocks + 1) / 2 * kColumnBlock : n;
+  const int64_t first = FirstHalfWidth(n);
   for (int64_t n0 = 0; n0 < n;) {
     const int64_t width = std::min(first, n - n0);
     dnnl::matmul::primitive_desc pd(Engine(), dnnl::memory::desc({kPackRows, k}, DataType(bf16), tag::ab),
@@ -108,10 +118,37 @@ const Layout& PackedLayout(int64_t k, int64_t n, bool bf16) {
 }
 
 struct Primitive {
-  dnnl::memory::desc x, y;
+  dnnl::memory::desc x, w, y;
   dnnl::matmul matmul;
   size_t scratch_bytes;
 };
+
+// The matmul of made.x, made.w and made.y, with a scratchpad the caller brings.
+void Finish(Primitive& made) {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(Engine(), made.x, made.w, made.y, attr);
+  made.scratch_bytes = pd.scratchpad_desc().get_size();
+  made.matmul = dnnl::matmul(pd);
+}
+
+// Runs `primitive` on this thread: y = x . w, with this thread's stream and scratchpad.
+void Execute(const Primitive& primitive, const void* x, const void* w, float* y) {
+  thread_local dnnl::stream stream(Engine());
+  thread_local std::vector<uint8_t> scratch;
+  if (scratch.size() < primitive.scratch_bytes) scratch.resize(primitive.scratch_bytes);
+  dnnl::memory xm(primitive.x, Engine(), const_cast<void*>(x));
+  dnnl::memory wm(primitive.w, Engine(), const_cast<void*>(w));
+  dnnl::memory ym(primitive.y, Engine(), y);
+  dnnl::memory sm(dnnl::memory::desc({int64_t(primitive.scratch_bytes)}, dt::u8, tag::a), Engine(), scratch.data());
+  primitive.matmul.execute(stream, {{DNNL_ARG_SRC, xm}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, ym}, {DNNL_ARG_SCRATCHPAD, sm}});
+  stream.wait();
+}
+
+// Copies y_part [m, width] into columns [n0, n0 + width) of y [m, n].
+void PlaceColumns(const float* part, float* y, int64_t m, int64_t n, int64_t n0, int64_t width) {
+  for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * n + n0, part + r * width, width * sizeof(float));
+}
 
 // The primitive for one half at one row count, created once. A primitive is immutable after
 // creation and oneDNN allows executing it from several threads at once (each brings its own
@@ -126,11 +163,8 @@ const Primitive& PrimitiveFor(int64_t m, int64_t k, const Half& half, bool bf16)
   auto made = std::make_unique<Primitive>();
   made->x = dnnl::memory::desc({m, k}, DataType(bf16), tag::ab);
   made->y = dnnl::memory::desc({m, half.n}, dt::f32, tag::ab);  // contiguous: brgemm refuses a strided one
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  dnnl::matmul::primitive_desc pd(Engine(), made->x, half.packed, made->y, attr);
-  made->scratch_bytes = pd.scratchpad_desc().get_size();
-  made->matmul = dnnl::matmul(pd);
+  made->w = half.packed;
+  Finish(*made);
   return *cache.emplace(key, std::move(made)).first->second;
 }
 
@@ -149,21 +183,11 @@ void RunHalf(const void* context, int64_t index) {
   const Half& half = call.layout->halves[index];
   SingleThreaded single;  // the other half has the other core
   const Primitive& primitive = PrimitiveFor(call.m, call.k, half, call.bf16);
-  thread_local dnnl::stream stream(Engine());
-  thread_local std::vector<uint8_t> scratch;
   thread_local std::vector<float> out;
-  if (scratch.size() < primitive.scratch_bytes) scratch.resize(primitive.scratch_bytes);
   const bool whole = half.n == call.n;
   if (!whole && out.size() < size_t(call.m * half.n)) out.resize(call.m * half.n);
-  dnnl::memory x(primitive.x, Engine(), const_cast<void*>(call.x));
-  dnnl::memory w(half.packed, Engine(), const_cast<uint8_t*>(call.w + half.offset));
-  dnnl::memory y(primitive.y, Engine(), whole ? call.y : out.data());
-  dnnl::memory s(dnnl::memory::desc({int64_t(primitive.scratch_bytes)}, dt::u8, tag::a), Engine(), scratch.data());
-  primitive.matmul.execute(stream, {{DNNL_ARG_SRC, x}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, y}, {DNNL_ARG_SCRATCHPAD, s}});
-  stream.wait();
-  if (!whole)
-    for (int64_t r = 0; r < call.m; ++r)
-      std::memcpy(call.y + r * call.n + half.n0, out.data() + r * half.n, half.n * sizeof(float));
+  Execute(primitive, call.x, call.w + half.offset, whole ? call.y : out.data());
+  if (!whole) PlaceColumns(out.data(), call.y, call.m, call.n, half.n0, half.n);
 }
 
 // PackedLayout(k, n, bf16).bytes, or -1 when oneDNN has no matmul for the shape.
@@ -193,6 +217,108 @@ ffi::Error PackedMatmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Any
     jaxrunner_cpu::HelperThread::Run(RunHalf, &call, int64_t(layout.halves.size()));
   } catch (const dnnl::error& err) {
     return ffi::Error::Internal(std::string("onednn packed matmul: ") + err.what());
+  }
+  return ffi::Error::Success();
+}
+
+// ---- Weight-only int4/int8 weights (models/quant.py's leaves, as they are) times bf16 x: each
+// half of the columns on one core, as above, a tile of columns at a time. A tile is unpacked into
+// bf16 in the blocked layout the AMX kernels read (dequantize_tile.h) and multiplied while it is
+// still in cache, so the weights are read from memory as the int4/int8 bytes they are: the
+// bf16 weight is never whole in memory, as it is when XLA dequantizes before its dot.
+
+constexpr int64_t kTileBudget = 512 << 10;  // bytes of one bf16 tile: it and x stay in L2
+
+// Columns of a tile for K inputs: whole blocks, at least one.
+int64_t TileWidth(int64_t k) {
+  return std::max<int64_t>(1, kTileBudget / (k * 2) / jaxrunner_cpu::kTileColumns) * jaxrunner_cpu::kTileColumns;
+}
+
+// The primitive for a [K, width] tile at M rows, created once (see PrimitiveFor).
+const Primitive& TilePrimitiveFor(int64_t m, int64_t k, int64_t width) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<Primitive>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto key = std::make_tuple(m, k, width);
+  auto found = cache.find(key);
+  if (found != cache.end()) return *found->second;
+  auto made = std::make_unique<Primitive>();
+  made->x = dnnl::memory::desc({m, k}, dt::bf16, tag::ab);
+  made->w = dnnl::memory::desc({k, width}, dt::bf16, tag::BA16a64b2a);  // dequantize_tile.h's layout
+  made->y = dnnl::memory::desc({m, width}, dt::f32, tag::ab);
+  Finish(*made);
+  return *cache.emplace(key, std::move(made)).first->second;
+}
+
+struct QuantCall {
+  const void* x;  // [m, k] bf16
+  jaxrunner_cpu::QuantView w;
+  float* y;       // [m, n]
+  int64_t m;
+};
+
+// A 64-byte aligned buffer of this thread that grows to the largest size asked for.
+template <typename T>
+T* ThreadBuffer(int64_t count) {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<void, Free> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < count) {
+    buffer.reset(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64));
+    if (!buffer) throw std::bad_alloc();
+    capacity = count;
+  }
+  return static_cast<T*>(buffer.get());
+}
+
+// Half `index` of a weight-only product, on the calling thread alone, tile by tile.
+void RunQuantHalf(const void* context, int64_t index) {
+  const QuantCall& call = *static_cast<const QuantCall*>(context);
+  const int64_t n = call.w.n, k = call.w.k, first = FirstHalfWidth(n);
+  const int64_t begin = index == 0 ? 0 : first, end = index == 0 ? first : n;
+  SingleThreaded single;  // the other half has the other core
+  const int64_t width = TileWidth(k);
+  uint16_t* tile = ThreadBuffer<uint16_t>(jaxrunner_cpu::TileBytes(k, width) / 2);
+  float* out = ThreadBuffer<float>(call.m * width);
+  for (int64_t n0 = begin; n0 < end; n0 += width) {
+    const int64_t columns = std::min(width, end - n0);
+    jaxrunner_cpu::DequantizeTile(call.w, n0, columns, tile);
+    const bool whole = columns == n;
+    Execute(TilePrimitiveFor(call.m, k, columns), call.x, tile, whole ? call.y : out);
+    if (!whole) PlaceColumns(out, call.y, call.m, n, n0, columns);
+  }
+}
+
+ffi::Error QuantMatmul(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
+  using ffi::DataType;
+  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
+  const bool int4 = packed.element_type() == DataType::U8, f16 = scales.element_type() == DataType::F16;
+  if (x.element_type() != DataType::BF16 || (!int4 && packed.element_type() != DataType::S8) ||
+      (!f16 && scales.element_type() != DataType::F32) || offsets.element_type() != scales.element_type())
+    return ffi::Error::InvalidArgument("onednn quantized matmul: x bf16, packed uint8 or int8, scales and offsets "
+                                       "both f32 or both f16");
+  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("onednn quantized matmul: all operands must be matrices");
+  const int64_t m = xd[0], k = xd[1], n = pd[0], groups = sd[1];
+  if (m < 1 || pd[1] * (int4 ? 2 : 1) != k || sd[0] != n || groups < 1 || k % groups != 0 ||
+      (k / groups) % jaxrunner_cpu::kTileInputs != 0)
+    return ffi::Error::InvalidArgument("onednn quantized matmul: shapes do not match, or groups are not whole runs of 32");
+  if ((has_offsets != 0) != int4 || (int4 && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != n ||
+                                               offsets.dimensions()[1] != groups)))
+    return ffi::Error::InvalidArgument("onednn quantized matmul: int4 takes offsets [N, G] like scales, int8 none");
+  if (!__builtin_cpu_supports("avx512bf16"))
+    return ffi::Error::InvalidArgument("onednn quantized matmul: this CPU has no AVX512-BF16");
+  const QuantCall call{x.untyped_data(),
+                       {packed.untyped_data(), scales.untyped_data(), has_offsets ? offsets.untyped_data() : nullptr,
+                        n, k, groups, int4, f16},
+                       static_cast<float*>(y->untyped_data()), m};
+  try {
+    jaxrunner_cpu::HelperThread::Run(RunQuantHalf, &call, FirstHalfWidth(n) < n ? 2 : 1);
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("onednn quantized matmul: ") + err.what());
   }
   return ffi::Error::Success();
 }
@@ -266,3 +392,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnUnpack, Unpack,
                                   .Arg<ffi::AnyBuffer>()  // packed bytes
                                   .Ret<ffi::AnyBuffer>()  // w [K, N], or [N, K] when transposed
                                   .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnQuantMatmul, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 (int4) or [N, K] int8
+                                  .Arg<ffi::AnyBuffer>()  // scales [N, G] f32 or f16
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N, G] like scales (int4; a placeholder for int8)
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32
+                                  .Attr<int64_t>("has_offsets"));

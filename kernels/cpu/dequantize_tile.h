@@ -1,0 +1,159 @@
+// Weight-only int4/int8 weights unpacked, a tile of columns at a time, into bfloat16 in the blocked
+// layout oneDNN's AMX matmul reads (onednn_matmul.cc multiplies each tile as soon as it is written,
+// while it is still in cache).
+//
+// The weights are a weight-only leaf as jaxrunner/models/quant.py describes it: [N, K] (each
+// output's inputs contiguous), int4 two to a byte in GGUF's Q4_0 order (byte i of a run of 32
+// inputs holds input i in its low nibble, input i + 16 in its high one) or int8, with a scale (and
+// for int4 an offset) per output and group of inputs: w = scale * q (+ offset) in float32, then
+// rounded to bf16, as quant.dequantize computes it.
+//
+// The tile layout is oneDNN's `BA16a64b2a` for a [K, T] weight: blocks of 64 columns, each a run
+// of blocks of 32 inputs; within one, 16 pairs of inputs, each pair's 64 columns holding the two
+// inputs side by side (AMX's VNNI pairs). An output's 32 inputs come out of the weights as one row
+// of 16 pairs, so 16 outputs at a time are transposed (16 x 16 units of 32 bits) into the block.
+// Columns past N in the last block are zero (oneDNN reads its padding).
+//
+// AVX-512 with BF16 (every CPU with AMX has it): compiled for those features whatever the build
+// flags, and called only where the matmul table chose oneDNN (kernels/platform_support.py).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace jaxrunner_cpu {
+
+#define JAXRUNNER_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
+#define JAXRUNNER_INLINE_AVX512_BF16 JAXRUNNER_AVX512_BF16 __attribute__((always_inline)) inline
+
+constexpr int64_t kTileColumns = 64;  // columns per block of the tile layout
+constexpr int64_t kTileInputs = 32;   // inputs per block: 16 VNNI pairs
+
+struct QuantView {
+  const void* packed;   // uint8 [N, K/2] (int4) or int8 [N, K]
+  const void* scales;   // [N, G], float16 or float32
+  const void* offsets;  // like scales: int4 only
+  int64_t n, k, groups;
+  bool int4, f16;
+};
+
+// Tile bytes: [K, width] bf16 with width padded to whole blocks of kTileColumns.
+inline int64_t TileBytes(int64_t k, int64_t width) {
+  return (width + kTileColumns - 1) / kTileColumns * kTileColumns * k * 2;
+}
+
+// Column `group` of rows [first, first + live) of a [N, G] float16 or float32 matrix, as float32
+// (zeros past `live`), gathered at once: per output, the factor is then a broadcast from memory,
+// which leaves the shuffle port to the unpacking and the transpose.
+template <bool kF16>
+JAXRUNNER_INLINE_AVX512_BF16 __m512 Gather16(const void* p, int64_t first, int64_t live, int64_t groups,
+                                             int64_t group) {
+  const __mmask16 rows = static_cast<__mmask16>((1u << live) - 1);
+  const __m512i index = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int32_t>(first * groups + group)),
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int32_t>(groups))));
+  if constexpr (!kF16) return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, index, p, 4);
+  // float16: the aligned 32-bit word holding each value (it never crosses a page), then its half
+  const __m512i bytes = _mm512_slli_epi32(index, 1);
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows,
+                                                    _mm512_andnot_si512(_mm512_set1_epi32(3), bytes), p, 1);
+  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(2)), 3);
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srlv_epi32(words, shift)));
+}
+
+// 16 rows of 16 32-bit units, transposed in registers.
+JAXRUNNER_INLINE_AVX512_BF16 void Transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {  // u[4q + c], lane L: unit 4L + c of rows 4q..4q+3
+    u[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {  // gather lane L of u[c], u[4 + c], u[8 + c], u[12 + c] into row 4L + c
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xdd);
+  }
+}
+
+// One run of 32 inputs of an output (its codes at `codes_of_run`) as 32 bf16 in input order (16
+// VNNI pairs), from its group's scale and offset. int4: the group's sixteen values (scale * q + offset, q = 0..15) are
+// computed once as bf16, and each code looks its value up (one permute for the 32 inputs).
+template <bool kInt4>
+JAXRUNNER_INLINE_AVX512_BF16 __m512i DequantizeRun(const void* codes_of_run, const float* scale, const float* offset) {
+  // multiply, then add, each rounded, as quant.dequantize does (a fused multiply-add rounded some
+  // weights to the neighbouring bf16)
+  if constexpr (kInt4) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256bh table = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(*scale)),
+                                                             _mm512_set1_ps(*offset)));
+    const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(codes_of_run)), nibble = _mm_set1_epi8(15);
+    const __m256i index = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(bytes, nibble)),
+                                                  _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), 1);
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(index), _mm512_castsi256_si512((__m256i)table));
+  } else {
+    const __m512 factor = _mm512_set1_ps(*scale);
+    const int8_t* run = static_cast<const int8_t*>(codes_of_run);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, factor), _mm512_mul_ps(lo, factor));
+  }
+}
+
+template <bool kInt4, bool kF16>
+JAXRUNNER_AVX512_BF16 void DequantizeBlocks(const QuantView& w, int64_t n0, int64_t width, uint16_t* tile) {
+  constexpr int64_t kRunBytes = kInt4 ? kTileInputs / 2 : kTileInputs;
+  const int64_t runs = w.k / kTileInputs, blocks = (width + kTileColumns - 1) / kTileColumns;
+  const int64_t row_bytes = runs * kRunBytes;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.packed);
+  for (int64_t block = 0; block < blocks; ++block) {
+    for (int64_t sub = 0; sub < kTileColumns / 16; ++sub) {
+      const int64_t first = n0 + block * kTileColumns + sub * 16;  // 16 outputs at a time
+      const int64_t live = std::min<int64_t>(16, std::max<int64_t>(0, n0 + width - first));
+      uint32_t* out = reinterpret_cast<uint32_t*>(tile) + block * runs * (kTileColumns * kTileInputs / 2) + sub * 16;
+      alignas(64) float scales[16], offsets[16];
+      for (int64_t kb = 0, group = -1; kb < runs; ++kb, out += kTileColumns * kTileInputs / 2) {
+        if (kb * kTileInputs / (w.k / w.groups) != group) {  // groups are whole runs
+          group = kb * kTileInputs / (w.k / w.groups);
+          _mm512_store_ps(scales, Gather16<kF16>(w.scales, first, live, w.groups, group));
+          if constexpr (kInt4) _mm512_store_ps(offsets, Gather16<kF16>(w.offsets, first, live, w.groups, group));
+        }
+        __m512i r[16];
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = i < live ? DequantizeRun<kInt4>(codes + (first + i) * row_bytes + kb * kRunBytes, scales + i,
+                                                 offsets + i)
+                          : _mm512_setzero_si512();
+        Transpose16(r);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(out + j * kTileColumns, r[j]);
+      }
+    }
+  }
+}
+
+// Columns [n0, n0 + width) of the weight, all K inputs (K a multiple of 32), into `tile`
+// (TileBytes(k, width) bytes, 64-byte aligned) in the layout above.
+inline void DequantizeTile(const QuantView& w, int64_t n0, int64_t width, uint16_t* tile) {
+  if (w.int4) {
+    w.f16 ? DequantizeBlocks<true, true>(w, n0, width, tile) : DequantizeBlocks<true, false>(w, n0, width, tile);
+  } else {
+    w.f16 ? DequantizeBlocks<false, true>(w, n0, width, tile) : DequantizeBlocks<false, false>(w, n0, width, tile);
+  }
+}
+
+}  // namespace jaxrunner_cpu
