@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """XLA's dot against oneDNN's matmul on packed weights (``jaxrunner.kernels.onednn_matmul``, the
 weights packed once by ``kernels.onednn_pack``) on the products of a model's linear layers, in one
-process, alternating, on this CPU.
+process, alternating, on this CPU. With ``--quantization int4`` or ``int8``, weight-only leaves
+instead: XLA's dot after dequantizing in bf16, the native kernel (``quantized_matmul_native``) and
+oneDNN on tiles unpacked in cache (``onednn_quant_matmul``), each at every row count.
 
 Each timed call chains the product over distinct weights (``--layers``, as a step walks the
 layers), so the weights come from memory as they do when serving, not from a warm cache. Prints a table and
@@ -11,6 +13,7 @@ unless ``--output-dir`` says elsewhere): the table in ``kernels/platform_support
 
     python scripts/bench_matmul.py                                  # SmolLM2's and a 1B Llama's shapes
     python scripts/bench_matmul.py --dtypes float32 --rows 16,64,256 --output-dir /tmp
+    python scripts/bench_matmul.py --quantization int4 --dtypes bfloat16 --rows 4,8,16,32,64,256
     XLA_FLAGS=--xla_cpu_use_onednn=true python scripts/bench_matmul.py   # XLA's own oneDNN flag on its side
 """
 from __future__ import annotations
@@ -28,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as common  # noqa: E402
 
 from jaxrunner import kernels  # noqa: E402
+from jaxrunner.models import quant  # noqa: E402
 
+IMPLS = {False: ("xla", "onednn"), True: ("xla", "native", "onednn")}  # float weights; weight-only leaves
 # (name, K, N, weight is [N, K]): the products of one layer and the LM head
 SHAPES = {
     "smollm2": [("qkv", 576, 960, False), ("o", 576, 576, False), ("gate_up", 576, 3072, False),
@@ -45,18 +50,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default="4,16,32,64,128,256,512", help="rows of the activations")
     parser.add_argument("--layers", type=int, default=4, help="distinct weights each timed call walks")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median is reported")
+    parser.add_argument("--quantization", choices=("int4", "int8"), default=None,
+                        help="weight-only leaves (bf16 activations) instead of float weights")
     parser.add_argument("--output-dir", default=common.RESULTS_DIR, help="where the JSON files go")
     return parser
 
 
-def chained_products(transposed: bool, impl: str):
-    """x times each of a tuple of weights, one after the other (each product waits for the last, as
-    a model's layers do; unrolled: an XLA loop would copy the stacked weights every iteration)."""
+def float_product(transposed: bool, impl: str):
     def product(x, w):
         if impl == "onednn":
             return kernels.onednn_matmul(x, w)
         dims = (((1,), (1 if transposed else 0,)), ((), ()))
         return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    return product
+
+
+def weight_only_product(impl: str):
+    def product(x, w):
+        if impl == "onednn":
+            return kernels.onednn_quant_matmul(x, w)
+        if impl == "native":
+            return kernels.quantized_matmul_native(x, w)
+        dense = quant.dequantize(w, x.dtype)  # what models/linear.py does without the kernels
+        return jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return product
+
+
+def chained_products(product):
+    """x times each of a tuple of weights, one after the other (each product waits for the last, as
+    a model's layers do; unrolled: an XLA loop would copy the stacked weights every iteration)."""
 
     def run(x, ws):
         total = None
@@ -77,13 +99,23 @@ def seconds_per_call(fn, x, ws, calls: int) -> float:
     return (time.perf_counter() - start) / calls / len(ws)
 
 
-def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows: int, args) -> dict:
+def contenders(k: int, n: int, transposed: bool, dtype, rows: int, args) -> tuple[jax.Array, dict, dict]:
+    """(x, implementation -> chained products, implementation -> its weights)."""
     key = jax.random.key(rows)
     ws = tuple(jax.random.normal(jax.random.fold_in(key, i + 2), (n, k) if transposed else (k, n), dtype)
                for i in range(args.layers))
     x = jax.random.normal(jax.random.fold_in(key, 1), (rows, k), dtype)
-    fns = {impl: chained_products(transposed, impl) for impl in ("xla", "onednn")}
-    weights = {"xla": ws, "onednn": tuple(kernels.onednn_pack(w, transposed=transposed) for w in ws)}
+    if args.quantization:
+        leaves = tuple(quant.quantize_weight_only(w.T if transposed else w, args.quantization) for w in ws)
+        leaves = tuple({name: jnp.asarray(part) for name, part in leaf.items()} for leaf in leaves)
+        impls = ("xla", "native", "onednn")
+        return x, {impl: chained_products(weight_only_product(impl)) for impl in impls}, dict.fromkeys(impls, leaves)
+    fns = {impl: chained_products(float_product(transposed, impl)) for impl in ("xla", "onednn")}
+    return x, fns, {"xla": ws, "onednn": tuple(kernels.onednn_pack(w, transposed=transposed) for w in ws)}
+
+
+def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows: int, args) -> dict:
+    x, fns, weights = contenders(k, n, transposed, dtype, rows, args)
     outs = {impl: fn(x, weights[impl]) for impl, fn in fns.items()}
     error = float(jnp.max(jnp.abs(outs["xla"] - outs["onednn"])) / (jnp.max(jnp.abs(outs["xla"])) + 1e-30))
     calls = max(3, int(2e9 // (2 * rows * k * n * args.layers)))
@@ -93,7 +125,7 @@ def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows
             times[impl].append(seconds_per_call(fn, x, weights[impl], calls))
     flops = 2 * rows * k * n
     result = {"model": model, "product": name, "dtype": jnp.dtype(dtype).name, "rows": rows, "k": k, "n": n,
-              "weight_nk": transposed, "max_rel_diff": error}
+              "weight_nk": transposed, "quantization": args.quantization, "max_rel_diff": error}
     for impl, values in times.items():
         result[f"{impl}_us"] = statistics.median(values) * 1e6
         result[f"{impl}_gflops"] = flops / statistics.median(values) / 1e9
@@ -114,13 +146,17 @@ def main(argv=None) -> int:
                 for name, k, n, transposed in SHAPES[model]:
                     results.append(measure(model, name, k, n, transposed, jnp.dtype(dtype), rows, args))
                     r = results[-1]
-                    print(f"{model} {dtype} {name} rows {rows}: xla {r['xla_gflops']:.0f} GFLOP/s, "
-                          f"onednn {r['onednn_gflops']:.0f} ({r['onednn_speedup']:.2f}x)", file=sys.stderr, flush=True)
-        table = [[r["model"], r["product"], r["rows"], f"{r['xla_gflops']:.0f}", f"{r['onednn_gflops']:.0f}",
+                    rates = ", ".join(f"{impl} {r[impl + '_gflops']:.0f}" for impl in IMPLS[bool(args.quantization)])
+                    print(f"{model} {dtype} {name} rows {rows}: {rates} GFLOP/s ({r['onednn_speedup']:.2f}x)",
+                          file=sys.stderr, flush=True)
+        impls = IMPLS[bool(args.quantization)]
+        table = [[r["model"], r["product"], r["rows"], *(f"{r[impl + '_gflops']:.0f}" for impl in impls),
                   f"{r['onednn_speedup']:.2f}"] for r in results]
-        common.print_table(["model", "product", "rows", "XLA GFLOP/s", "oneDNN GFLOP/s", "oneDNN / XLA"], table,
-                           title=f"{dtype}: XLA's dot against oneDNN's matmul (median of alternating rounds)")
-        path = os.path.join(args.output_dir, common.result_name("matmul", dtype) + ".json")
+        common.print_table(["model", "product", "rows", *(f"{impl} GFLOP/s" for impl in impls), "oneDNN / XLA"], table,
+                           title=f"{dtype}{' ' + args.quantization if args.quantization else ''}: products by "
+                                 f"implementation (median of alternating rounds)")
+        kind = f"{dtype}-{args.quantization}" if args.quantization else dtype
+        path = os.path.join(args.output_dir, common.result_name("matmul", kind) + ".json")
         common.write_json(path, "matmul", {"xla_flags": os.environ.get("XLA_FLAGS", ""), "layers": args.layers,
                                            "rounds": args.rounds, "results": results})
         print(f"wrote {path}", file=sys.stderr)
