@@ -29,5 +29,6 @@ ATTENTION_IMPL_CHOICES = (AUTO, *ATTENTION_IMPLS)
 CPU_MATMUL_CHOICES = (AUTO, "xla", "onednn")
 """Where a CPU engine's float linear products run (``EngineConfig.cpu_matmul``): ``auto`` (weights
 packed for oneDNN's matmul where it was measured faster on this CPU kind, see
-``platform_support.ONEDNN_FASTER``), ``xla`` (XLA's dot) or ``onednn`` (every bf16 and float32
-weight packed for oneDNN)."""
+``platform_support.ONEDNN_FASTER``, and the rest transposed where XLA's dot takes them faster so,
+``XLA_WEIGHTS_NK``), ``xla`` (XLA's dot on the weights as the model holds them) or ``onednn`` (every
+bf16 and float32 weight packed for oneDNN)."""

@@ -33,6 +33,10 @@ ONEDNN_FASTER = (
     ("amx_bf16", ("bfloat16", "float32"), 8 << 20, ("bfloat16",)),
 )
 NOT_FASTER = ((), 0, ())
+# CPU flags of the kinds where XLA's dot multiplied [N, K] weights faster than [K, N] ones (the
+# float layer weights left to it are then held transposed; scripts/bench_matmul.py --orientations):
+# on the Xeon with AMX, SmolLM2's projections at 64 rows 1.04-1.52x in bf16, 1.05-1.23x in float32.
+XLA_WEIGHTS_NK = ("amx_bf16",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,8 @@ class MatmulKernels:
       (``models.packed_weights``), and their products, of every row count, run on oneDNN's matmul
       (:func:`onednn_matmul`: AMX and AVX-512 kernels, faster than XLA's dot where
       :func:`capabilities` chooses it); empty: none.
+    * ``xla_weights_nk``: the float linear weights not packed for oneDNN are held transposed,
+      [out, in], which XLA's dot multiplied faster on this CPU kind (``models.packed_weights``).
     * ``onednn_weight_only``: activation dtypes (bf16 only) whose weight-only int8/int4 products
       of more rows than the native kernel takes run on oneDNN, the weights unpacked a tile at a time
       into its AMX layout (:func:`onednn_quant_matmul`); empty: XLA's dot after dequantizing.
@@ -66,6 +72,7 @@ class MatmulKernels:
     onednn_dtypes: tuple[str, ...] = ()
     onednn_min_weight_bytes: int = 0
     onednn_weight_only: tuple[str, ...] = ()
+    xla_weights_nk: bool = False
 
     def __post_init__(self):
         for name in ("one_row", "weight_only"):
@@ -74,6 +81,8 @@ class MatmulKernels:
         if not isinstance(self.onednn_dtypes, tuple) or not set(self.onednn_dtypes) <= {"float32", "bfloat16"}:
             raise ValueError(f"MatmulKernels.onednn_dtypes: expected a tuple of 'float32' and 'bfloat16', "
                              f"got {self.onednn_dtypes!r}")
+        if not isinstance(self.xla_weights_nk, bool):
+            raise ValueError(f"MatmulKernels.xla_weights_nk: expected a bool, got {self.xla_weights_nk!r}")
         if not isinstance(self.onednn_weight_only, tuple) or not set(self.onednn_weight_only) <= {"bfloat16"}:
             raise ValueError(f"MatmulKernels.onednn_weight_only: expected () or ('bfloat16',), "
                              f"got {self.onednn_weight_only!r}")
@@ -172,8 +181,10 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     onednn = _onednn_faster() if device_count == 1 else NOT_FASTER
     if onednn[0] and onednn_unavailable(platform) is not None:  # built only where the table would use it
         onednn = NOT_FASTER
+    nk = device_count == 1 and any(flag in native.cpu_features() for flag in XLA_WEIGHTS_NK)
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
-                         onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2])
+                         onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
+                         xla_weights_nk=nk)
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:
@@ -196,8 +207,8 @@ def _onednn_faster() -> tuple[tuple[str, ...], int, tuple[str, ...]]:
 
 def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tuple[MatmulKernels, str]:
     """(where the model's products run, why) for the engine option ``cpu_matmul``: ``"auto"``
-    takes :func:`capabilities`' choice, ``"xla"`` keeps every multi-row product on XLA's dot,
-    ``"onednn"`` packs every bf16 and float32 weight of the linear layers for oneDNN (an error
+    takes :func:`capabilities`' choice, ``"xla"`` keeps every multi-row product on XLA's dot with
+    the weights as the model holds them (the plain baseline for A/B runs), ``"onednn"`` packs every bf16 and float32 weight of the linear layers for oneDNN (an error
     where it is unavailable). The one place the choice is made."""
     if cpu_matmul not in CPU_MATMUL_CHOICES:
         raise ValueError(f"cpu_matmul: invalid value {cpu_matmul!r}; valid: {CPU_MATMUL_CHOICES}")
@@ -206,7 +217,7 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
     if caps.platform != "cpu":
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
-        return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=()), "asked for"
+        return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=False), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:

@@ -14,6 +14,7 @@ unless ``--output-dir`` says elsewhere): the table in ``kernels/platform_support
     python scripts/bench_matmul.py                                  # SmolLM2's and a 1B Llama's shapes
     python scripts/bench_matmul.py --dtypes float32 --rows 16,64,256 --output-dir /tmp
     python scripts/bench_matmul.py --quantization int4 --dtypes bfloat16 --rows 4,8,16,32,64,256
+    python scripts/bench_matmul.py --orientations --models smollm2   # XLA_WEIGHTS_NK: [K, N] vs [N, K]
     XLA_FLAGS=--xla_cpu_use_onednn=true python scripts/bench_matmul.py   # XLA's own oneDNN flag on its side
 """
 from __future__ import annotations
@@ -39,8 +40,15 @@ SHAPES = {
     "smollm2": [("qkv", 576, 960, False), ("o", 576, 576, False), ("gate_up", 576, 3072, False),
                 ("down", 1536, 576, False), ("lm_head", 576, 49152, True)],
     "llama-1b": [("qkv", 2048, 3072, False), ("o", 2048, 2048, False), ("gate_up", 2048, 16384, False),
-                 ("down", 8192, 2048, False)],
+                 ("down", 8192, 2048, False), ("lm_head", 2048, 49152, True)],
 }
+
+
+def shapes(model: str, orientations: bool) -> list[tuple[str, int, int, bool]]:
+    """The model's products; with ``orientations``, each twice: weight [K, N] ("_kn") and [N, K] ("_nk")."""
+    if not orientations:
+        return SHAPES[model]
+    return [(f"{name}_{'nk' if nk else 'kn'}", k, n, nk) for name, k, n, _ in SHAPES[model] for nk in (False, True)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default="4,16,32,64,128,256,512", help="rows of the activations")
     parser.add_argument("--layers", type=int, default=4, help="distinct weights each timed call walks")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median is reported")
+    parser.add_argument("--orientations", action="store_true",
+                        help="each float product with its weight held both [K, N] and [N, K]")
     parser.add_argument("--quantization", choices=("int4", "int8"), default=None,
                         help="weight-only leaves (bf16 activations) instead of float weights")
     parser.add_argument("--output-dir", default=common.RESULTS_DIR, help="where the JSON files go")
@@ -143,7 +153,7 @@ def main(argv=None) -> int:
         results = []
         for model in args.models.split(","):
             for rows in common.parse_int_list(args.rows, "--rows"):
-                for name, k, n, transposed in SHAPES[model]:
+                for name, k, n, transposed in shapes(model, args.orientations):
                     results.append(measure(model, name, k, n, transposed, jnp.dtype(dtype), rows, args))
                     r = results[-1]
                     rates = ", ".join(f"{impl} {r[impl + '_gflops']:.0f}" for impl in IMPLS[bool(args.quantization)])

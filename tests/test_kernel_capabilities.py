@@ -36,7 +36,8 @@ def test_capabilities_answer_on_this_cpu_machine():
         assert caps.matmuls == kernels.MatmulKernels("native", "native", min_16bit_rows=4,
                                                      onednn_dtypes=caps.matmuls.onednn_dtypes,
                                                      onednn_min_weight_bytes=caps.matmuls.onednn_min_weight_bytes,
-                                                     onednn_weight_only=caps.matmuls.onednn_weight_only)
+                                                     onednn_weight_only=caps.matmuls.onednn_weight_only,
+                                                     xla_weights_nk=caps.matmuls.xla_weights_nk)
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")
@@ -49,6 +50,7 @@ def test_capabilities_of_other_platforms_and_device_counts():
     several = kernels.capabilities("cpu", device_count=8)
     assert several.matmuls.one_row == several.matmuls.weight_only == "xla"  # sharded programs keep XLA's dot
     assert several.matmuls.onednn_dtypes == () == several.matmuls.onednn_weight_only
+    assert not several.matmuls.xla_weights_nk
     assert several.matmuls.min_16bit_rows == 4                             # XLA:CPU's one-row GEMV
     for name in ("gpu", "cuda"):
         gpu = kernels.capabilities(name)

@@ -3,6 +3,7 @@
 ``cpu_matmul`` chooses it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import platform
 
@@ -130,6 +131,35 @@ def test_the_chosen_weights_are_packed_and_their_products_go_to_onednn():
     jax.tree.map(np.testing.assert_array_equal, plain, params)
     like = packed_weights.plain_like(packed)
     assert like["layers"][0]["wqkv"].shape == w.shape and like["embed"] is embed
+
+
+def test_weights_left_to_xla_can_be_held_transposed():
+    """With ``xla_weights_nk``, the float layer weights and an untied head that oneDNN does not take
+    are held [out, in]: their products equal the plain ones (one row through the native kernel,
+    more through XLA's dot), quantized leaves and norms are left alone, and unpacking gives the
+    plain tree back bit for bit."""
+    from jaxrunner.models import packed_weights
+
+    rng = np.random.default_rng(6)
+    w, head, norm = normal(rng, (64, 96)), normal(rng, (64, 256)), normal(rng, (64,))
+    leaf = _weight_only_leaf(rng, "int4", 96, 64, 32, jnp.float16)
+    params = {"layers": [{"wqkv": w, "wo": leaf, "norm": norm}], "embed": normal(rng, (256, 64)), "lm_head": head}
+    here = kernels.capabilities("cpu").matmuls
+    nk = dataclasses.replace(here, onednn_dtypes=(), xla_weights_nk=True)
+    laid = packed_weights.pack(params, ("wqkv", "wo"), nk)
+    layer = laid["layers"][0]
+    assert isinstance(layer["wqkv"], packed_weights.TransposedWeight) and layer["wqkv"].data.shape == (96, 64)
+    assert isinstance(laid["lm_head"], packed_weights.TransposedWeight)
+    assert layer["wo"] is leaf and layer["norm"] is norm and laid["embed"] is params["embed"]
+    for rows in (1, 5, 64):
+        x = normal(rng, (rows, 64))
+        for plain, held in ((w, layer["wqkv"]), (head, laid["lm_head"])):
+            np.testing.assert_allclose(np.asarray(jax.jit(linear.matmul_f32_acc, static_argnums=2)(x, held, nk)),
+                                       np.asarray(linear.matmul_f32_acc(x, plain, kernels.XLA_MATMULS)),
+                                       rtol=1e-5, atol=1e-5)
+    jax.tree.map(np.testing.assert_array_equal, packed_weights.unpack(laid), params)
+    assert packed_weights.plain_like(laid)["layers"][0]["wqkv"].shape == w.shape
+    assert packed_weights.pack(params, ("wqkv",), dataclasses.replace(nk, xla_weights_nk=False)) is params
 
 
 # ----------------------------------------------------------------------------- weight-only int4/int8

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner import kernels
-from jaxrunner.models import lora, quant
+from jaxrunner.models import lora, packed_weights, quant
 
 NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured slower than XLA at 4)
 # Rows the native quantized matmul takes. Up to 4 rows it streams the packed weights through
@@ -108,11 +108,14 @@ def matmul_f32_acc(x: jax.Array, w: jax.Array, matmuls: kernels.MatmulKernels,
     call), and float32 ones at ~19 GB/s over a token (batch-1 float32 TPOT 28.7 -> 23.8-25.7 ms
     through the kernel, medians of alternating runs). A weight packed for oneDNN
     (``kernels.OnednnPackedWeight``, in its own orientation whatever ``contract`` says) goes to
-    oneDNN's matmul at every row count. Other 16-bit ``x`` with fewer than
+    oneDNN's matmul at every row count; a transposed one (``packed_weights.TransposedWeight``, a
+    [K, N] weight held as [N, K]) contracts its last axis. Other 16-bit ``x`` with fewer than
     ``matmuls.min_16bit_rows`` rows are padded to that many (XLA:CPU routes a one-row bf16 dot to
     a slow GEMV; see ``kernels.capabilities``)."""
     if isinstance(w, kernels.OnednnPackedWeight):  # packed at start-up (models.packed_weights): every row count
         return kernels.onednn_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.n)
+    if isinstance(w, packed_weights.TransposedWeight):  # [K, N] held as [N, K] at start-up: contract its last axis
+        return matmul_f32_acc(x, w.data, matmuls, contract=(contract[0], 1))
     dims = (((x.ndim + contract[0]) % x.ndim,), ((w.ndim + contract[1]) % w.ndim,)), ((), ())
     native_layout = _native_matmul_layout(x, w, dims, matmuls)
     if native_layout is not None:

@@ -7,10 +7,16 @@ run on oneDNN without repacking the weight per call (``models.linear``). A tied 
 packed: the token lookup reads it too, so packing it would hold the vocabulary twice, and at one
 row (SmolLM2's head, bf16) the packed product was no faster than the native one-row kernel.
 
+Where ``kernels.MatmulKernels.xla_weights_nk`` says so, the layer weights (and an untied head) that
+stay on XLA's dot are held transposed instead, [out, in] (:class:`TransposedWeight`): XLA:CPU's dot
+multiplied them faster that way (per CPU kind, ``kernels.platform_support.XLA_WEIGHTS_NK``).
+
 The packed tree is what the jitted step reads; users see the plain one (:func:`unpack`,
 :func:`plain_like`), bit for bit what was packed.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 
@@ -19,31 +25,58 @@ from jaxrunner import kernels
 HEAD = "lm_head"
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class TransposedWeight:
+    """A [K, N] weight held as ``data`` [N, K], the orientation XLA:CPU's dot multiplied faster
+    where ``MatmulKernels.xla_weights_nk`` is set (``models.linear`` contracts its last axis)."""
+    data: jax.Array
+
+    def tree_flatten(self):
+        return (self.data,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(children[0])
+
+    @property
+    def plain_shape(self) -> tuple[int, int]:
+        return self.data.shape[1], self.data.shape[0]
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+
 def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) -> dict:
     """``params`` with the layer ``leaves`` and an untied output head packed where ``matmuls``
-    packs their dtype and size; the same tree when it packs nothing."""
-    if not matmuls.onednn_dtypes:
+    packs their dtype and size, and the other float ones transposed where it says so; the same
+    tree when it changes nothing."""
+    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk:
         return params
 
-    def packs(w) -> bool:
-        return (isinstance(w, jax.Array) and w.ndim == 2 and w.dtype.name in matmuls.onednn_dtypes
-                and w.nbytes >= matmuls.onednn_min_weight_bytes)
+    def laid_out(w):
+        if not (isinstance(w, jax.Array) and w.ndim == 2 and jax.numpy.issubdtype(w.dtype, jax.numpy.floating)):
+            return w  # quantized leaves, biases, norms
+        if w.dtype.name in matmuls.onednn_dtypes and w.nbytes >= matmuls.onednn_min_weight_bytes:
+            return kernels.onednn_pack(w)
+        return TransposedWeight(w.T) if matmuls.xla_weights_nk else w
 
-    layers = [{name: kernels.onednn_pack(w) if name in leaves and packs(w) else w for name, w in layer.items()}
-              for layer in params["layers"]]
+    layers = [{name: laid_out(w) if name in leaves else w for name, w in layer.items()} for layer in params["layers"]]
     out = {**params, "layers": layers}
-    if HEAD in params and packs(params[HEAD]):
-        out[HEAD] = kernels.onednn_pack(params[HEAD])
+    if HEAD in params:
+        out[HEAD] = laid_out(params[HEAD])
     return out
 
 
 def is_packed(leaf) -> bool:
-    return isinstance(leaf, kernels.OnednnPackedWeight)
+    """Whether ``leaf`` is laid out for the step (packed for oneDNN, or transposed)."""
+    return isinstance(leaf, (kernels.OnednnPackedWeight, TransposedWeight))
 
 
 def unpack(params: dict) -> dict:
     """The plain params a packed tree was made from (new arrays; the same tree when nothing is packed)."""
-    return _map_packed(params, kernels.onednn_unpack)
+    return _map_packed(params, lambda w: w.data.T if isinstance(w, TransposedWeight) else kernels.onednn_unpack(w))
 
 
 def plain_like(params: dict) -> dict:

@@ -95,7 +95,8 @@ def _matmul_summary(matmuls) -> str:
                      f"packed")
     if matmuls.onednn_weight_only:
         parts.append(f"int8/int4 weights with {'/'.join(matmuls.onednn_weight_only)} activations")
-    return f"onednn ({'; '.join(parts)})" if parts else "xla"
+    xla = "xla (the other float weights transposed)" if matmuls.xla_weights_nk else "xla"
+    return f"onednn ({'; '.join(parts)}), {xla}" if parts else xla
 
 
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
