@@ -20,8 +20,8 @@ NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured s
 # chunk ran faster through XLA's dot.
 NATIVE_QUANT_ROWS = 16
 # Where oneDNN takes weight-only products (``MatmulKernels.onednn_weight_only``), it does from this
-# many rows: on AMX it ran 1.3-1.9x the native kernel at 5-8 rows, 2-2.6x at 16, and the native
-# kernel's integer dot products of up to 4 rows beat it (scripts/bench_matmul.py --quantization int4).
+# many rows: on AMX it ran 1.0-1.8x the native kernel at 5-6 rows, 1.0-1.9x at 8, 1.6-2.9x at 16,
+# and the native kernel's integer dot products of up to 4 rows beat it (bench_matmul.py --quantization).
 ONEDNN_QUANT_MIN_ROWS = 5
 
 
