@@ -38,8 +38,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-impl", default="auto", choices=list(ATTENTION_IMPL_CHOICES),
                         help="attention implementation (auto: pallas on GPU/TPU; on CPU native if a C++ compiler can build it, else xla)")
     parser.add_argument("--cpu-matmul", default="auto", choices=list(CPU_MATMUL_CHOICES),
-                        help="CPU linear products (auto: weights packed for oneDNN where measured faster on this "
-                             "CPU kind, else XLA's dot)")
+                        help="CPU linear products (auto: per CPU kind where measured faster, float weights packed "
+                             "for oneDNN, int8/int4 ones on oneDNN, the rest transposed for XLA's dot; xla: XLA's "
+                             "dot on the weights as held; onednn: every float weight packed)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split the model")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, each on its own devices")
     parser.add_argument("--coordinator-address", default=None,

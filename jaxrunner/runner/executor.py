@@ -46,7 +46,7 @@ class Executor:
 
     def __init__(self, config: EngineConfig, model, draft=None):
         self.runner, self.bucket_plan, self.max_model_len, self.startup_report = start_runner(config, model)
-        self.model = dataclasses.replace(model, params=self.runner.params)  # packed where chosen: no second plain copy
+        self.model = dataclasses.replace(model, params=self.runner.params)  # laid out where chosen: no plain copy
         self.max_prefill_seqs = config.max_num_prefill_seqs
         self.eos_token_ids = _eos_token_ids(model)
         self.draft_proposer = None
