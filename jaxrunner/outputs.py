@@ -23,7 +23,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # with SamplingParams.logprobs only, as vLLM reports it
     # With SamplingParams.logprobs=k: per generated token, the sampled token and the top-k.
     logprobs: list[LogprobsDict] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"

@@ -189,8 +189,8 @@ def test_logit_bias_moves_the_draw():
 
 
 def test_ranks_and_logprobs_zero():
-    """num_logprobs=0 still gets the sampled token's rank (vLLM returns its logprob); a batch that
-    asks for none returns zeros."""
+    """num_logprobs=0 still gets the sampled token's logprob and rank (vLLM returns them); a batch
+    that asks for none returns zeros: it skips the normalizer over the vocabulary."""
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((5, 200)).astype(np.float32)
     params = _sampling(5, temperature=1.0, num_logprobs=0)
@@ -199,8 +199,11 @@ def test_ranks_and_logprobs_zero():
     tokens = np.asarray(out["tokens"])
     expected = 1 + (logits > logits[np.arange(5), tokens][:, None]).sum(axis=-1)
     np.testing.assert_array_equal(out["ranks"], expected)
+    log_probs = logits - np.log(np.sum(np.exp(logits), axis=-1, keepdims=True))
+    np.testing.assert_allclose(out["logprobs"], log_probs[np.arange(5), tokens], rtol=1e-5, atol=1e-5)
     none = jax.jit(sampler.sample)(logits, _sampling(5, temperature=1.0))
     assert not np.any(np.asarray(none["ranks"])) and not np.any(np.asarray(none["top_ids"]))
+    assert not np.any(np.asarray(none["logprobs"]))
 
 
 def test_the_high_half_of_the_seed_changes_the_draw():

@@ -107,6 +107,16 @@ def test_logprobs_zero_returns_the_sampled_token(llm, prompts):
     out = generate(llm, prompts[:1], logprobs=0, **GREEDY)[0].outputs[0]
     assert [list(entry) for entry in out.logprobs] == [[t] for t in out.token_ids]
     assert all(entry[t].rank == 1 for t, entry in zip(out.token_ids, out.logprobs))  # greedy
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_cumulative_logprob_comes_with_logprobs_only(llm, prompts):
+    """As vLLM: without ``logprobs`` a completion has no cumulative logprob (the sampler skips the
+    normalizer for a batch where no row asks), beside one that asks in the same batch."""
+    plain, asking = llm.generate(prompts[:2], [SamplingParams(**GREEDY), SamplingParams(logprobs=0, **GREEDY)],
+                                 use_tqdm=False)
+    assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None
+    assert asking.outputs[0].cumulative_logprob < 0
 
 
 def test_seed_uses_all_64_bits(llm, prompts):

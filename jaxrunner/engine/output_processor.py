@@ -47,7 +47,7 @@ class RequestState:
     logprobs: list[LogprobsDict] | None  # per output token, with SamplingParams.logprobs
     # per prompt position (None at 0 and until computed), with SamplingParams.prompt_logprobs
     prompt_logprobs: list[LogprobsDict | None] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float = 0.0  # reported with SamplingParams.logprobs only (the sampler computes it then)
     stop_reason: int | str | None = None
 
 
@@ -107,9 +107,9 @@ class OutputProcessor:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         delta_len = state.detokenizer.append(token)
-        logprob = float(sampled.logprobs[row])
-        state.cumulative_logprob += logprob
         if state.logprobs is not None:
+            logprob = float(sampled.logprobs[row])
+            state.cumulative_logprob += logprob
             state.logprobs.append(self._logprobs_dict(
                 token, logprob, int(sampled.ranks[row]), request.sampling_params.logprobs,
                 sampled.top_ids[row], sampled.top_logprobs[row]))
@@ -182,7 +182,7 @@ class OutputProcessor:
         delta = state.detokenizer.take_delta(finished=finished)
         completion = CompletionOutput(
             index=0, text=state.detokenizer.output_text, token_ids=list(request.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob, logprobs=state.logprobs,
+            cumulative_logprob=None if state.logprobs is None else state.cumulative_logprob, logprobs=state.logprobs,
             finish_reason=finish_reason, stop_reason=state.stop_reason)
         metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
                                  time.monotonic() if finished else None)

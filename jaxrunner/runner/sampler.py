@@ -279,11 +279,12 @@ def sample(logits, sampling: SamplingMetadata):
     step batch's ``SamplingMetadata``, or with ``draft_tokens`` after ``with_draft_rows``).
 
     Logprobs are those of the raw model distribution (before bias, bans, penalties and
-    temperature), as vLLM reports them by default. ``ranks`` and the top logprobs are computed only
-    in batches where some row asks for logprobs (zeros otherwise).
+    temperature), as vLLM reports them by default. They (the sampled token's, its rank and the top
+    logprobs) are computed only in batches where some row asks for logprobs, zeros otherwise: the
+    normalizer alone, a max and a sum of exponentials over the vocabulary, took about 6 % of a
+    64-row SmolLM2 decode step (profiled).
     """
     raw = logits
-    log_normalizer = jax.nn.logsumexp(raw, axis=-1)
     logits = _process_logits(logits, sampling)
     greedy_tokens = first_argmax(logits)
     is_sampled = sampling.temperature > 0.0
@@ -292,16 +293,17 @@ def sample(logits, sampling: SamplingMetadata):
     drawn = jax.lax.cond(jnp.any(is_sampled), lambda x: _draw(x, sampling, is_sampled), lambda x: greedy_tokens,
                          logits)
     tokens = jnp.where(is_sampled, drawn, greedy_tokens)
-    token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_normalizer
 
     def logprob_details(x):
-        return (_ranks(x, tokens),) + _top_logprobs(x, log_normalizer)
+        log_normalizer = jax.nn.logsumexp(x, axis=-1)
+        token_logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - log_normalizer
+        return (token_logprobs, _ranks(x, tokens)) + _top_logprobs(x, log_normalizer)
 
     rows = raw.shape[0]
-    empty = (jnp.zeros(rows, jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+    empty = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
              jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
-    ranks, top_values, top_ids = jax.lax.cond(jnp.any(sampling.num_logprobs >= 0), logprob_details,
-                                              lambda x: empty, raw)
+    token_logprobs, ranks, top_values, top_ids = jax.lax.cond(jnp.any(sampling.num_logprobs >= 0), logprob_details,
+                                                              lambda x: empty, raw)
     return {"tokens": tokens, "logprobs": token_logprobs, "ranks": ranks, "top_ids": top_ids,
             "top_logprobs": top_values}
 
