@@ -91,6 +91,21 @@ inline F16 Exp(F16 x) { return {ExpLanes<F8, I8>(x.lo), ExpLanes<F8, I8>(x.hi)};
 inline F16 Exp(F16 x) { return ExpLanes<F16, I16>(x); }
 #endif
 
+// max(s[a, b)), b > a, as std::max takes it in order (a NaN after the first element is passed over),
+// kLanes running maxima at a time: one chain of scalar maxima, a few cycles per key, took about a
+// tenth of a decode item's time.
+inline float RangeMax(const float* s, int64_t a, int64_t b) {
+  float lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = s[a];
+  int64_t t = a + 1;
+  for (; t + kLanes <= b; t += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], s[t + l]);
+  float m = lanes[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
+  for (; t < b; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim;
   int64_t num_pages, page_size, num_kv_heads, width, group;
@@ -278,8 +293,7 @@ class Attention {
       if (b <= a) continue;
       if (p_.soft_cap > 0)
         for (int64_t t = a; t < b; ++t) s[t] = p_.soft_cap * std::tanh(s[t] / p_.soft_cap);
-      float m = s[a];
-      for (int64_t t = a + 1; t < b; ++t) m = std::max(m, s[t]);
+      const float m = RangeMax(s, a, b);
       F16 sum = F16{};
       int64_t t = a;
       for (; t + kLanes <= b; t += kLanes) {
