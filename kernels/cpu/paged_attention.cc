@@ -48,49 +48,6 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxChunks = kMaxHeadDim / kLanes;
 constexpr int64_t kPrefetchBytes = 6 << 10;  // K/V bytes ahead of the row being read
 
-inline void FromF32(float x, float* out) { *out = x; }
-inline void FromF32(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *out = uint16_t((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *out = uint16_t(u >> 16);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), 16 lanes at a time: 2^(x log2 e) split
-// into 2^integer (exponent bits) and 2^fraction (degree-6 polynomial, relative error ~2e-7).
-// Lanes below -87 flush to 0. libm's expf is scalar and was most of a decode item's time.
-template <typename V, typename IV>  // V: float vector, IV: int32 vector of the same lanes
-inline V ExpLanes(V x) {
-  const V low = V{} - 87.0f;
-  x = x < low ? low : x;
-  V t = x * 1.44269504088896341f;
-  V fl = __builtin_convertvector(__builtin_convertvector(t, IV), V);
-  fl = fl > t ? fl - 1.0f : fl;  // floor
-  V f = t - fl;                   // [0, 1)
-  V p = V{} + 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  IV e = (__builtin_convertvector(fl, IV) + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  V r = p * scale;
-  return x <= low ? V{} : r;
-}
-
-#if JAXRUNNER_F16_HALVES
-inline F16 Exp(F16 x) { return {ExpLanes<F8, I8>(x.lo), ExpLanes<F8, I8>(x.hi)}; }
-#else
-inline F16 Exp(F16 x) { return ExpLanes<F16, I16>(x); }
-#endif
-
 // max(s[a, b)), b > a, as std::max takes it in order (a NaN after the first element is passed over),
 // kLanes running maxima at a time: one chain of scalar maxima, a few cycles per key, took about a
 // tenth of a decode item's time.

@@ -1,6 +1,6 @@
 // 16-float vectors (GCC/Clang vector extensions: portable, and -march=native turns them into
 // AVX-512 where there is one; with AVX2 and no AVX-512, a pair of 8-float halves; narrower ISAs
-// split them), bfloat16 <-> float32 and prefetches: shared by the native CPU kernels.
+// split them), bfloat16 <-> float32, exp and prefetches: shared by the native CPU kernels.
 #pragma once
 
 #include <cstdint>
@@ -147,6 +147,54 @@ inline float HalfToF32(uint16_t h) {
   return out;
 #endif
 }
+
+// One float32 as float32, or as bfloat16 bits.
+inline void FromF32(float x, float* out) { *out = x; }
+inline void FromF32(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *out = uint16_t((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *out = uint16_t(u >> 16);
+}
+
+// exp(x) for x <= 0 (a softmax after subtracting the max, a sigmoid of -|x|), 16 lanes at a
+// time: 2^(x log2 e) split into 2^integer (exponent bits) and 2^fraction (degree-6 polynomial,
+// relative error under 1e-7 in float32; a Taylor-like one had 6e-6 near fraction 1). The fraction
+// comes from x minus integer * ln 2 in two parts (Cody-Waite), not from the rounded x log2 e,
+// whose error grows with |x|. Lanes below -87 flush to 0. libm's expf is scalar and was most of an
+// attention decode item's time.
+template <typename V, typename IV>  // V: float vector, IV: int32 vector of the same lanes
+inline V ExpLanes(V x) {
+  const V low = V{} - 87.0f;
+  x = x < low ? low : x;
+  V t = x * 1.44269504088896341f;
+  V fl = __builtin_convertvector(__builtin_convertvector(t, IV), V);
+  fl = fl > t ? fl - 1.0f : fl;  // floor
+  // ln 2 = 0.693145751953125 (exact with few bits, so fl * it is exact) + 1.4286068e-6
+  V f = ((x - fl * 0.693145751953125f) - fl * 1.428606765330187e-6f) * 1.44269504088896341f;  // ~[0, 1)
+  V p = V{} + 2.161285187501681e-4f;  // 1 + f q(f), q fitted to 2^f's relative error (minimax)
+  p = p * f + 1.246786289076095e-3f;
+  p = p * f + 9.675450005147105e-3f;
+  p = p * f + 5.548528127245447e-2f;
+  p = p * f + 2.402293054379790e-1f;
+  p = p * f + 6.931470444493272e-1f;
+  p = p * f + 1.0f;
+  IV e = (__builtin_convertvector(fl, IV) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  V r = p * scale;
+  return x <= low ? V{} : r;
+}
+
+#if JAXRUNNER_F16_HALVES
+inline F16 Exp(F16 x) { return {ExpLanes<F8, I8>(x.lo), ExpLanes<F8, I8>(x.hi)}; }
+#else
+inline F16 Exp(F16 x) { return ExpLanes<F16, I16>(x); }
+#endif
 
 // A software prefetch of one cache line into L2, which the compiler keeps: GCC 12 at -O3 deleted
 // every __builtin_prefetch of the earlier page-ahead prefetch (it judged the helper pure and its
