@@ -1,5 +1,5 @@
 """The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row
-matmul): built on first use into one library, called through XLA's FFI.
+matmuls, the gated MLP's SiLU product): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
 ``-march=native`` for the machine it runs on (AVX-512 where there is one), against the FFI
@@ -32,7 +32,8 @@ from jaxrunner.kernels.kv_write import check_write_shapes
 logger = logging.getLogger("jaxrunner")
 
 CPU_DIR = Path(__file__).with_name("cpu")
-SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc")
+SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
+           CPU_DIR / "gated_activation.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot_vnni.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
@@ -45,6 +46,8 @@ QUANT_MATMUL_TARGET_NAME = "jaxrunner_cpu_quant_matmul"
 QUANT_MATMUL_SYMBOL = "JaxrunnerCpuQuantMatmul"
 DEQUANTIZE_TARGET_NAME = "jaxrunner_cpu_dequantize"
 DEQUANTIZE_SYMBOL = "JaxrunnerCpuDequantize"
+SILU_MUL_TARGET_NAME = "jaxrunner_cpu_silu_mul"
+SILU_MUL_SYMBOL = "JaxrunnerCpuSiluMul"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
 # for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
@@ -132,6 +135,8 @@ def _load() -> None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, DEQUANTIZE_SYMBOL)),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(SILU_MUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, SILU_MUL_SYMBOL)),
+                                platform="cpu")
 
 
 @functools.cache
@@ -218,6 +223,27 @@ def small_matmul_native(x, w, *, transposed: bool = False):
     splits = min(MATMUL_K_SPLITS, w.shape[0])
     call = jax.ffi.ffi_call(MATMUL_TARGET_NAME, jax.ShapeDtypeStruct((splits, rows, w.shape[1]), jnp.float32))
     return call(x, w, transposed=np.int64(0)).sum(axis=0)  # XLA fuses the sum into what follows
+
+
+def silu_mul_supported(gate_up, dtype) -> bool:
+    """Whether :func:`silu_mul_native` takes ``gate_up``: float32 [T, 2I] with I a multiple of 16,
+    rounded to bf16 or float32."""
+    return (gate_up.ndim == 2 and gate_up.dtype == jnp.float32 and gate_up.shape[1] % 32 == 0
+            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32))
+
+
+def silu_mul_native(gate_up, dtype):
+    """``silu(gate) * up`` in ``dtype`` [T, I] from the float32 projection ``gate_up`` [T, 2I] with
+    gate and up interleaved column by column (``models/params.py``), as
+    ``(jax.nn.silu(g[..., 0]) * g[..., 1]).astype(dtype)`` of ``g = gate_up.reshape(T, I, 2)``
+    computes it, to within float32 rounding (see ``cpu/gated_activation.cc``)."""
+    _require()
+    if not silu_mul_supported(gate_up, dtype):
+        raise ValueError(f"the native SiLU product takes gate_up float32 [T, 2I] with I a multiple of 16 and a "
+                         f"bf16 or float32 result; got {gate_up.dtype}{list(gate_up.shape)} -> {jnp.dtype(dtype)}")
+    out = jax.ShapeDtypeStruct((gate_up.shape[0], gate_up.shape[1] // 2), dtype)
+    call = jax.ffi.ffi_call(SILU_MUL_TARGET_NAME, out)
+    return call(gate_up)
 
 
 def cpu_features() -> list[str]:

@@ -147,9 +147,16 @@ def attend(q, k, v, layer_cache, meta, attention, *, sm_scale: float, sliding_wi
 # ----------------------------------------------------------------------------- MLP
 def gated_mlp(layer: dict, h: jax.Array, cfg: ModelConfig, activation, matmuls) -> jax.Array:
     """``down(act(gate) * up)`` over the interleaved ``w_gate_up``: the activation and product in
-    float32 from the float32-accumulated projection, rounded once for the down projection."""
-    gate_up = linear_f32(h, layer["w_gate_up"], matmuls).reshape(*h.shape[:-1], cfg.intermediate_size, 2)
-    return linear((activation(gate_up[..., 0]) * gate_up[..., 1]).astype(h.dtype), layer["w_down"], matmuls)
+    float32 from the float32-accumulated projection, rounded once for the down projection (SiLU's
+    by the native kernel where ``matmuls.silu_mul`` says so)."""
+    gate_up = linear_f32(h, layer["w_gate_up"], matmuls)
+    if activation is jax.nn.silu and matmuls.silu_mul == "native" and h.ndim == 2 \
+            and kernels.silu_mul_supported(gate_up, h.dtype):
+        gated = kernels.silu_mul_native(gate_up, h.dtype)
+    else:
+        pairs = gate_up.reshape(*h.shape[:-1], cfg.intermediate_size, 2)
+        gated = (activation(pairs[..., 0]) * pairs[..., 1]).astype(h.dtype)
+    return linear(gated, layer["w_down"], matmuls)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
