@@ -37,7 +37,8 @@ else:
         # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
         "small_matmul_native": "native", "small_matmul_supported": "native",
-        "silu_mul_native": "native", "silu_mul_supported": "native",
+        "silu_mul_native": "native", "silu_mul_supported": "native", "rotary_native": "native",
+        "rotary_supported": "native",
         "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",
         "onednn_quant_matmul": "onednn",
         "OnednnPackedWeight": "onednn",

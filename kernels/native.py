@@ -1,5 +1,5 @@
 """The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row
-matmuls, the gated MLP's SiLU product): built on first use into one library, called through XLA's FFI.
+matmuls, the gated MLP's SiLU product, RoPE): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
 ``-march=native`` for the machine it runs on (AVX-512 where there is one), against the FFI
@@ -33,7 +33,7 @@ logger = logging.getLogger("jaxrunner")
 
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
-           CPU_DIR / "gated_activation.cc")
+           CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot_vnni.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
@@ -48,6 +48,8 @@ DEQUANTIZE_TARGET_NAME = "jaxrunner_cpu_dequantize"
 DEQUANTIZE_SYMBOL = "JaxrunnerCpuDequantize"
 SILU_MUL_TARGET_NAME = "jaxrunner_cpu_silu_mul"
 SILU_MUL_SYMBOL = "JaxrunnerCpuSiluMul"
+ROTARY_TARGET_NAME = "jaxrunner_cpu_rotary"
+ROTARY_SYMBOL = "JaxrunnerCpuRotary"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
 # for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
@@ -136,6 +138,8 @@ def _load() -> None:
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, DEQUANTIZE_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(SILU_MUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, SILU_MUL_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(ROTARY_TARGET_NAME, jax.ffi.pycapsule(getattr(library, ROTARY_SYMBOL)),
                                 platform="cpu")
 
 
@@ -244,6 +248,29 @@ def silu_mul_native(gate_up, dtype):
     out = jax.ShapeDtypeStruct((gate_up.shape[0], gate_up.shape[1] // 2), dtype)
     call = jax.ffi.ffi_call(SILU_MUL_TARGET_NAME, out)
     return call(gate_up)
+
+
+def rotary_supported(qkv, cos) -> bool:
+    """Whether :func:`rotary_native` takes ``qkv`` float32 [T, Hkv, G + 2, D] with ``cos`` [T, D]:
+    RoPE over the whole head (not a partial rotary), D a multiple of 32."""
+    return (qkv.ndim == 4 and qkv.dtype == jnp.float32 and qkv.shape[2] >= 3 and qkv.shape[3] % 32 == 0
+            and cos.shape == (qkv.shape[0], qkv.shape[3]) and cos.dtype == jnp.float32)
+
+
+def rotary_native(qkv, cos, sin):
+    """(q [T, Hkv * G, D], k [T, Hkv, D], v [T, Hkv, D]) float32 of the grouped projection ``qkv``
+    [T, Hkv, G + 2, D], q and k rotated by ``cos``/``sin`` [T, D] (HF's rotate-half layout): bit for
+    bit ``models.layers.split_rotated`` under optimizing XLA (see ``cpu/rotary.cc``)."""
+    _require()
+    if not rotary_supported(qkv, cos) or sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"the native RoPE takes qkv float32 [T, Hkv, G + 2, D] with D a multiple of 32 and cos, "
+                         f"sin float32 [T, D]; got qkv {qkv.dtype}{list(qkv.shape)}, cos {cos.dtype}{list(cos.shape)}, "
+                         f"sin {sin.dtype}{list(sin.shape)}")
+    tokens, kv_heads, group, dim = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
+    shapes = (jax.ShapeDtypeStruct((tokens, kv_heads * group, dim), jnp.float32),
+              jax.ShapeDtypeStruct((tokens, kv_heads, dim), jnp.float32),
+              jax.ShapeDtypeStruct((tokens, kv_heads, dim), jnp.float32))
+    return tuple(jax.ffi.ffi_call(ROTARY_TARGET_NAME, shapes)(qkv, cos, sin))
 
 
 def cpu_features() -> list[str]:

@@ -62,9 +62,10 @@ class MatmulKernels:
     * ``onednn_weight_only``: activation dtypes (bf16 only) whose weight-only int8/int4 products
       of more rows than the native kernel takes run on oneDNN, the weights unpacked a tile at a time
       into its AMX layout (:func:`onednn_quant_matmul`); empty: XLA's dot after dequantizing.
-    * ``silu_mul``: ``"native"`` computes a gated MLP's ``silu(gate) * up`` from the interleaved
-      projection in the native kernel (:func:`silu_mul_native`), which reads the pairs a vector at
-      a time; ``"xla"`` leaves it to XLA's fusion. Not a product, but decided by the same
+    * ``elementwise``: ``"native"`` runs two element-wise steps around the products in the native
+      kernels: a gated MLP's ``silu(gate) * up`` from the interleaved projection
+      (:func:`silu_mul_native`) and RoPE with the split of the grouped q/k/v projection
+      (:func:`rotary_native`); ``"xla"`` leaves them to XLA. Not products, but decided by the same
       conditions as the native ones, and handed down with them.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
@@ -77,10 +78,10 @@ class MatmulKernels:
     onednn_min_weight_bytes: int = 0
     onednn_weight_only: tuple[str, ...] = ()
     xla_weights_nk: bool = False
-    silu_mul: str = XLA
+    elementwise: str = XLA
 
     def __post_init__(self):
-        for name in ("one_row", "weight_only", "silu_mul"):
+        for name in ("one_row", "weight_only", "elementwise"):
             if getattr(self, name) not in (XLA, NATIVE):
                 raise ValueError(f"MatmulKernels.{name}: expected {XLA!r} or {NATIVE!r}, got {getattr(self, name)!r}")
         if not isinstance(self.onednn_dtypes, tuple) or not set(self.onednn_dtypes) <= {"float32", "bfloat16"}:
@@ -189,7 +190,7 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     nk = device_count == 1 and any(flag in native.cpu_features() for flag in XLA_WEIGHTS_NK)
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
-                         xla_weights_nk=nk, silu_mul=kernel)
+                         xla_weights_nk=nk, elementwise=kernel)
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:

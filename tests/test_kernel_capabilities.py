@@ -37,11 +37,11 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      onednn_dtypes=caps.matmuls.onednn_dtypes,
                                                      onednn_min_weight_bytes=caps.matmuls.onednn_min_weight_bytes,
                                                      onednn_weight_only=caps.matmuls.onednn_weight_only,
-                                                     xla_weights_nk=caps.matmuls.xla_weights_nk, silu_mul="native")
+                                                     xla_weights_nk=caps.matmuls.xla_weights_nk, elementwise="native")
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")
-        assert caps.matmuls.one_row == caps.matmuls.weight_only == caps.matmuls.silu_mul == "xla"
+        assert caps.matmuls.one_row == caps.matmuls.weight_only == caps.matmuls.elementwise == "xla"
     assert caps.writes_in_place("xla", "float32") and not caps.writes_in_place("xla", "bfloat16")
     assert not caps.writes_in_place("jax_tpu", "float32")  # it does not run here at all
 

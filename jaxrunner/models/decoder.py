@@ -70,7 +70,8 @@ class Decoder:
     def attend(self, layer, x, context: dict, kind, layer_cache, meta, attention):
         """The first half of a layer: returns the attention output [T, Hq * D] (before its output
         projection) and the layer's new cache."""
-        q, k, v = layers.split_rotated(self.qkv(layer, x), *self.rope(context, kind), self.cfg.num_heads)
+        q, k, v = layers.split_rotated(self.qkv(layer, x), *self.rope(context, kind), self.cfg.num_heads,
+                                       self.matmuls)
         return layers.attend(q, k, v, layer_cache, meta, attention, sm_scale=self.attention_scale(),
                              sliding_window=kind, soft_cap=self.attention_soft_cap())
 

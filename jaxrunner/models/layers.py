@@ -121,10 +121,13 @@ def norm_qk(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, eps: float, no
     return jnp.concatenate([qk, qkv[:, :, group + 1:]], axis=2)
 
 
-def split_rotated(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int):
+def split_rotated(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int, matmuls=None):
     """q [T, Hq, D], k and v [T, Hkv, D] of a grouped [T, Hkv, G + 2, D], RoPE applied to q and k
     (all of a KV group's in one pass) over their first ``cos.shape[-1]`` dims: partial rotary
-    when fewer than D, the rest passing through."""
+    when fewer than D, the rest passing through. The native kernel does the same (bit for bit
+    what optimizing XLA computes) where ``matmuls.elementwise`` says so and it takes the shapes."""
+    if matmuls is not None and matmuls.elementwise == "native" and kernels.rotary_supported(qkv, cos):
+        return kernels.rotary_native(qkv, cos, sin)
     tokens, group, rotary = qkv.shape[0], qkv.shape[2] - 2, cos.shape[-1]
     qk = qkv[:, :, :group + 1]
     if rotary == qkv.shape[-1]:
@@ -148,9 +151,9 @@ def attend(q, k, v, layer_cache, meta, attention, *, sm_scale: float, sliding_wi
 def gated_mlp(layer: dict, h: jax.Array, cfg: ModelConfig, activation, matmuls) -> jax.Array:
     """``down(act(gate) * up)`` over the interleaved ``w_gate_up``: the activation and product in
     float32 from the float32-accumulated projection, rounded once for the down projection (SiLU's
-    by the native kernel where ``matmuls.silu_mul`` says so)."""
+    by the native kernel where ``matmuls.elementwise`` says so)."""
     gate_up = linear_f32(h, layer["w_gate_up"], matmuls)
-    if activation is jax.nn.silu and matmuls.silu_mul == "native" and h.ndim == 2 \
+    if activation is jax.nn.silu and matmuls.elementwise == "native" and h.ndim == 2 \
             and kernels.silu_mul_supported(gate_up, h.dtype):
         gated = kernels.silu_mul_native(gate_up, h.dtype)
     else:

@@ -1,5 +1,7 @@
-"""The native SiLU product of a gated MLP (``kernels/cpu/gated_activation.cc``) against a float64
-oracle and XLA's fusion of the same, and where the model routes to it."""
+"""The native element-wise kernels around the products: the SiLU product of a gated MLP
+(``kernels/cpu/gated_activation.cc``) against a float64 oracle and XLA's fusion of the same, RoPE
+(``kernels/cpu/rotary.cc``) against ``layers.split_rotated`` under XLA, bit for bit, and where the
+model routes to them (``MatmulKernels.elementwise``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +19,7 @@ from matmul_oracle import custom_calls
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
-TARGET = native.SILU_MUL_TARGET_NAME
+SILU_TARGET, ROTARY_TARGET = native.SILU_MUL_TARGET_NAME, native.ROTARY_TARGET_NAME
 
 
 def _xla(gate_up, dtype):
@@ -86,14 +88,74 @@ def _mlp_inputs(intermediate: int = 48, hidden: int = 32):
 
 def test_gated_mlp_routes_silu_only_where_chosen():
     layer, h, cfg = _mlp_inputs()
-    on = dataclasses.replace(kernels.XLA_MATMULS, silu_mul="native")
+    on = dataclasses.replace(kernels.XLA_MATMULS, elementwise="native")
 
     def mlp(activation, matmuls):
         return lambda x: layers.gated_mlp(layer, x, cfg, activation, matmuls)
 
-    assert custom_calls(TARGET, mlp(jax.nn.silu, on), h) == 1
-    assert custom_calls(TARGET, mlp(jax.nn.silu, kernels.XLA_MATMULS), h) == 0
-    assert custom_calls(TARGET, mlp(layers.gelu_tanh, on), h) == 0
+    assert custom_calls(SILU_TARGET, mlp(jax.nn.silu, on), h) == 1
+    assert custom_calls(SILU_TARGET, mlp(jax.nn.silu, kernels.XLA_MATMULS), h) == 0
+    assert custom_calls(SILU_TARGET, mlp(layers.gelu_tanh, on), h) == 0
     got = np.asarray(mlp(jax.nn.silu, on)(h).astype(jnp.float32))
     want = np.asarray(mlp(jax.nn.silu, kernels.XLA_MATMULS)(h).astype(jnp.float32))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _rope_tables(tokens: int, dim: int):
+    angles = (jnp.arange(tokens) * 37.0)[:, None] * (10000.0 ** (-jnp.arange(dim // 2) / (dim // 2)))[None]
+    return jnp.concatenate([jnp.cos(angles)] * 2, -1), jnp.concatenate([jnp.sin(angles)] * 2, -1)
+
+
+def _rotated_fma(x, cos, sin):
+    """fma(x, cos, rotate_half(x) * sin) rounded once (long double holds the exact sum's digits)."""
+    half = x.shape[-1] // 2
+    rotated = (np.concatenate([-x[..., half:], x[..., :half]], -1) * sin).astype(np.float32)
+    return (x.astype(np.longdouble) * cos + rotated).astype(np.float32)
+
+
+@pytest.mark.parametrize("tokens, kv_heads, group, dim", [(1, 8, 1, 32), (5, 2, 4, 128), (64, 3, 3, 64), (257, 1, 2, 64)])
+def test_rotary_rounds_as_optimized_xla(tokens, kv_heads, group, dim):
+    """Bit for bit the fused multiply-add XLA makes of ``apply_rope`` when it optimizes (the tests
+    run XLA unoptimized, which rounds x * cos too: within one rounding of the terms apart)."""
+    qkv = jax.random.normal(jax.random.key(tokens), (tokens, kv_heads, group + 2, dim), jnp.float32) * 3
+    cos, sin = _rope_tables(tokens, dim)
+    q, k, v = (np.asarray(a) for a in jax.jit(native.rotary_native)(qkv, cos, sin))
+    x, c, s = np.asarray(qkv), np.asarray(cos)[:, None, :], np.asarray(sin)[:, None, :]
+    np.testing.assert_array_equal(q, _rotated_fma(x[:, :, :group].reshape(tokens, -1, dim), c, s))
+    np.testing.assert_array_equal(k, _rotated_fma(x[:, :, group], c, s))
+    np.testing.assert_array_equal(v, x[:, :, group + 1])
+    want = jax.jit(lambda a, c, s: layers.split_rotated(a, c, s, kv_heads * group))(qkv, cos, sin)
+    for got, xla in zip((q, k, v), want):
+        np.testing.assert_allclose(got, np.asarray(xla), rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(x).max())
+
+
+def test_rotary_keeps_a_nan_to_its_pair():
+    """A NaN input reaches its own output and its rotation partner's (XLA's permutation product
+    spreads it over the whole head instead: 0 * NaN); the rest of the head stays finite."""
+    qkv = jax.random.normal(jax.random.key(2), (2, 1, 3, 64), jnp.float32).at[0, 0, 0, 3].set(jnp.nan)
+    cos, sin = _rope_tables(2, 64)
+    q, k, v = (np.asarray(a) for a in native.rotary_native(qkv, cos, sin))
+    assert np.flatnonzero(np.isnan(q[0, 0])).tolist() == [3, 35]
+    assert np.isfinite(q[1]).all() and np.isfinite(k).all() and np.isfinite(v).all()
+
+
+def test_rotary_refuses_what_it_does_not_take():
+    cos, sin = _rope_tables(3, 64)
+    for qkv, c in ((jnp.zeros((3, 2, 3, 48)), _rope_tables(3, 48)[0]), (jnp.zeros((3, 2, 3, 64)), cos[:, :32]),
+                   (jnp.zeros((3, 2, 3, 64), jnp.bfloat16), cos), (jnp.zeros((3, 2, 2, 64)), cos)):
+        assert not native.rotary_supported(qkv, c)
+        with pytest.raises(ValueError, match="native RoPE"):
+            native.rotary_native(qkv, c, c)
+
+
+def test_split_rotated_routes_whole_head_rope_only_where_chosen():
+    qkv = jax.random.normal(jax.random.key(1), (4, 2, 5, 64), jnp.float32)
+    cos, sin = _rope_tables(4, 64)
+    on = dataclasses.replace(kernels.XLA_MATMULS, elementwise="native")
+
+    def split(matmuls, c, s):
+        return lambda a: layers.split_rotated(a, c, s, 6, matmuls)
+
+    assert custom_calls(ROTARY_TARGET, split(on, cos, sin), qkv) == 1
+    assert custom_calls(ROTARY_TARGET, split(kernels.XLA_MATMULS, cos, sin), qkv) == 0
+    assert custom_calls(ROTARY_TARGET, split(on, cos[:, :32], sin[:, :32]), qkv) == 0  # partial rotary
