@@ -19,6 +19,8 @@
 
 namespace jaxrunner_cpu {
 
+constexpr int64_t kHelperThreads = 2;  // threads a HelperThread::Run call works on: the caller and the helper
+
 class HelperThread {
  public:
   using Task = void (*)(const void* context, int64_t item);

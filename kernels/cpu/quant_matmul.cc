@@ -310,8 +310,10 @@ void RunTiles(ffi::ThreadPool& pool, const Problem& p) {
 // a decode step's next product finds awake (a batch-1 int4 step ran about a tenth faster than on
 // the calling thread alone). A helper from XLA's pool takes about as long to wake as such a
 // product takes in all (with those, the step was slower than on one thread). A product of
-// several megabytes, such as a tied LM head, spreads over all of XLA's threads.
-constexpr int64_t kPooledBytes = int64_t(4) << 20;  // packed bytes from which XLA's threads join
+// several megabytes, such as a tied LM head, spreads over XLA's threads where they are more than
+// the helper's two: on two cores the pool adds no core, and the caller with both pool threads
+// oversubscribed them (SmolLM2's int8 head, 28 MB at one row: 14 -> 16.5 GB/s on the helper).
+constexpr int64_t kPooledBytes = int64_t(4) << 20;  // packed bytes from which a larger pool joins
 
 template <int M, typename QT>
 void OutputsItem(const void* problem, int64_t item) {
@@ -332,7 +334,8 @@ template <int M, typename QT>
 void Run(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t row_bytes = std::is_same<QT, uint8_t>::value ? p.k / 2 : p.k;
   const int64_t items = (p.n + kOutputsPerItem - 1) / kOutputsPerItem;
-  if (p.n * row_bytes < kPooledBytes) return HelperThread::Run(OutputsItem<M, QT>, &p, items);
+  if (p.n * row_bytes < kPooledBytes || pool.num_threads() <= kHelperThreads)
+    return HelperThread::Run(OutputsItem<M, QT>, &p, items);
   RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { OutputsItem<M, QT>(&p, item); });
 }
 

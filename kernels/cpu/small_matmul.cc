@@ -60,7 +60,6 @@ struct Problem {
 // faster on the helper there). Only a product of several megabytes on a pool of more threads
 // spreads over XLA's threads, where they add cores to stream the weights with.
 constexpr int64_t kPooledBytes = int64_t(8) << 20;  // weight bytes from which a larger pool joins
-constexpr int64_t kHelperThreads = 2;               // the caller and the helper
 
 // ---- W [K, N]: item s owns rows [k0, k1) of W -- one contiguous block of memory, which the
 // hardware prefetcher streams -- and writes its partial sums to y[s] (the caller adds the
