@@ -51,21 +51,6 @@ inline F16 GatedPairs(const float* p) {
 #endif
 }
 
-inline void Store(const F16& v, float* out) { std::memcpy(out, &v, sizeof v); }
-
-inline void Store(const F16& v, uint16_t* out) {  // as FromF32 does each lane
-#if JAXRUNNER_F16_HALVES
-  for (int l = 0; l < kLanes; ++l) FromF32(v[l], out + l);
-#else
-  U16 u;
-  std::memcpy(&u, &v, sizeof u);
-  const U16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const U16 bits = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
-  const H16 h = __builtin_convertvector(bits, H16);
-  std::memcpy(out, &h, sizeof h);
-#endif
-}
-
 template <typename OT>
 struct Call {
   const float* gate_up;  // [rows, 2 * width]

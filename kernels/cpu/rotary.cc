@@ -11,6 +11,7 @@
 // Bit for bit what layers.apply_rope gives under XLA when it optimizes: out = fma(x, cos,
 // rotate_half(x) * sin), the product with sin rounded first (XLA's contraction, checked against its
 // output; unoptimized, XLA rounds x * cos too).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,8 +52,6 @@ inline F16 FusedMulAdd(const F16& a, const F16& b, const F16& c) {
   return Load(x);
 #endif
 }
-
-inline void Store(const F16& v, float* out) { std::memcpy(out, &v, sizeof v); }
 
 // One head's rotated row: out[i] = fma(x[i], cos[i], rot[i] * sin[i]), rot = [-x2, x1].
 inline void RotateRow(const float* x, const float* cos, const float* sin, float* out, int64_t dim) {

@@ -161,6 +161,21 @@ inline void FromF32(float x, uint16_t* out) {  // round to nearest even, NaN sta
   *out = uint16_t(u >> 16);
 }
 
+// 16 lanes stored as float32, or as bfloat16 bits rounded as FromF32 rounds each lane.
+inline void Store(const F16& v, float* out) { std::memcpy(out, &v, sizeof v); }
+inline void Store(const F16& v, uint16_t* out) {
+#if JAXRUNNER_F16_HALVES
+  for (int l = 0; l < kLanes; ++l) FromF32(v[l], out + l);
+#else
+  U16 u;
+  std::memcpy(&u, &v, sizeof u);
+  const U16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const U16 bits = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
+  const H16 h = __builtin_convertvector(bits, H16);
+  std::memcpy(out, &h, sizeof h);
+#endif
+}
+
 // exp(x) for x <= 0 (a softmax after subtracting the max, a sigmoid of -|x|), 16 lanes at a
 // time: 2^(x log2 e) split into 2^integer (exponent bits) and 2^fraction (degree-6 polynomial,
 // relative error under 1e-7 in float32; a Taylor-like one had 6e-6 near fraction 1). The fraction
