@@ -73,13 +73,20 @@ def _config_workload(doc: dict) -> str:
     return " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
 
 
+DEFAULT_THROUGHPUT_BUDGET = 256  # benchmark_throughput's token budget for its 64 sequences
+
+
 def _labelled(doc: dict, workload: str) -> str:
-    """``workload`` with what sets the run apart: another model first, a forced CPU matmul last
-    (a 1B run or an A/B arm is not the default workload)."""
+    """``workload`` with what sets the run apart: another model first, a throughput run's token
+    budget other than the script's 256, a forced CPU matmul last (a 1B run or an A/B arm is not
+    the default workload)."""
     parts = [workload] if workload else []
     model = (doc.get("config") or {}).get("model")
     if model and model != DEFAULT_MODEL:
         parts.insert(0, f"model={os.path.basename(str(model).rstrip('/'))}")
+    budget = _engine_config(doc).get("max_num_batched_tokens")
+    if doc.get("benchmark") == "throughput" and budget not in (None, DEFAULT_THROUGHPUT_BUDGET):
+        parts.append(f"max_num_batched_tokens={budget}")
     matmul = _engine_config(doc).get("cpu_matmul", "auto")
     if matmul != "auto":
         parts.append(f"cpu_matmul={matmul}")

@@ -92,6 +92,17 @@ def test_history_tells_another_model_and_a_forced_matmul_apart():
     assert rows[0]["workload"] == "model=random-llama-1b num_requests=4 input_len=8..16 output_len=8 cpu_matmul=xla"
 
 
+def test_history_tells_a_throughput_run_of_another_token_budget_apart():
+    def workload(budget):
+        doc = {"benchmark": "throughput", "config": {"num_requests": 4, "output_len": 8,
+                                                     "engine": {"dtype": "bfloat16", "max_num_batched_tokens": budget}},
+               "results": {"jaxrunner": {"total_tokens_per_s": 1.0}}}
+        return bench_history.headline_rows(doc)[0]["workload"]
+
+    assert workload(256) == "num_requests=4 output_len=8"
+    assert workload(4096) == "num_requests=4 output_len=8 max_num_batched_tokens=4096"
+
+
 def test_history_labels_per_row_workloads_too():
     doc = {"benchmark": "latency", "config": {"model": "/models/random-llama-1b", "engine": {"dtype": "bfloat16"}},
            "results": [{"engine": "jaxrunner", "batch_size": 1, "input_len": 8, "output_len": 8,
