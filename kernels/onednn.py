@@ -77,7 +77,7 @@ def _load() -> ctypes.CDLL:
     cxx = native.compiler()
     flags = (*FLAGS, f"-I{include}")
     path = native.library_path(TARGET_NAME, cxx, (SOURCE, native.CPU_DIR / "helper_thread.h", native.CPU_DIR / "dequantize_tile.h",
-                                                include / HEADER),
+                                                native.CPU_DIR / "work_queue.h", include / HEADER),
                                (*flags, str(lib)))
     if not path.exists():
         native.build_library(cxx, path, (SOURCE,), flags, (f"-L{lib}", f"-l:{LIBRARY}", f"-Wl,-rpath,{lib}"))

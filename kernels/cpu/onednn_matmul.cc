@@ -10,8 +10,9 @@
 //     are: 1.3-1.7x the plain layout's speed on SmolLM2's and a 1B Llama's projections at 8-64 rows.
 //   * The threads. oneDNN's own OpenMP team and XLA's thread pool hand the cores back and forth:
 //     inside a step, two OpenMP threads ran no faster than one. Here W is packed as two halves of
-//     its columns (whole 64-column blocks), and the caller and the native kernels' one persistent
-//     helper (helper_thread.h) each run one half on oneDNN with a single thread. brgemm takes no
+//     its columns (whole 64-column blocks), and two threads each run one half on oneDNN with a
+//     single thread: the caller and one of XLA's pool threads, or for products of a few rows the
+//     native kernels' persistent helper (helper_thread.h; see RunHalves). brgemm takes no
 //     row stride for its output (a strided one fell to oneDNN's reference kernel), so a half is
 //     computed into the thread's own buffer and copied into its columns while still in cache:
 //     returned as two results instead, XLA did not fuse their concatenation into what followed
@@ -44,6 +45,7 @@
 
 #include "dequantize_tile.h"
 #include "helper_thread.h"
+#include "work_queue.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -177,6 +179,23 @@ struct Call {
   const Layout* layout;
 };
 
+// Products of this many rows or more run their halves on XLA's intra-op pool; fewer, on the
+// native kernels' helper thread. The helper, awake (yielding) for a while after each call, wins
+// where a step is a chain of products that read their weights once (a 1B Llama's batch-1 TPOT:
+// 88 ms on the helper, 99 on the pool), and loses where products take their turn with the
+// attention and element-wise work on XLA's threads, whose two cores it then contends for (a 1B
+// Llama's throughput at 64 sequences: 309 tok/s on the helper, 361 on the pool; at 8 sequences,
+// TPOT 114 against 111 ms).
+constexpr int64_t kPoolRows = 8;
+
+void RunHalves(ffi::ThreadPool& pool, int64_t rows, jaxrunner_cpu::HelperThread::Task task, const void* context,
+               int64_t halves) {
+  if (rows >= kPoolRows)
+    jaxrunner_cpu::RunItems<int>(pool, halves, [task, context](int64_t i, int&) { task(context, i); });
+  else
+    jaxrunner_cpu::HelperThread::Run(task, context, halves);
+}
+
 // Half `index` of a product, on the calling thread alone.
 void RunHalf(const void* context, int64_t index) {
   const Call& call = *static_cast<const Call*>(context);
@@ -202,7 +221,7 @@ int64_t PackedBytes(int64_t k, int64_t n, bool bf16) {
 bool IsBf16(ffi::DataType type) { return type == ffi::DataType::BF16; }
 bool IsFloat(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::F32; }
 
-ffi::Error PackedMatmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t n) {
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t n) {
   const auto xd = x.dimensions();
   if (xd.size() != 2 || !IsFloat(x.element_type()) || w.element_type() != ffi::DataType::U8 ||
       w.dimensions().size() != 1)
@@ -214,7 +233,7 @@ ffi::Error PackedMatmul(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Any
     const Layout& layout = PackedLayout(xd[1], n, bf16);
     const Call call{x.untyped_data(), static_cast<const uint8_t*>(w.untyped_data()),
                     static_cast<float*>(y->untyped_data()), xd[0], xd[1], n, bf16, &layout};
-    jaxrunner_cpu::HelperThread::Run(RunHalf, &call, int64_t(layout.halves.size()));
+    RunHalves(pool, xd[0], RunHalf, &call, int64_t(layout.halves.size()));
   } catch (const dnnl::error& err) {
     return ffi::Error::Internal(std::string("onednn packed matmul: ") + err.what());
   }
@@ -291,7 +310,7 @@ void RunQuantHalf(const void* context, int64_t index) {
   }
 }
 
-ffi::Error QuantMatmul(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                        ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
   using ffi::DataType;
   const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
@@ -316,7 +335,7 @@ ffi::Error QuantMatmul(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer s
                         n, k, groups, int4, f16},
                        static_cast<float*>(y->untyped_data()), m};
   try {
-    jaxrunner_cpu::HelperThread::Run(RunQuantHalf, &call, FirstHalfWidth(n) < n ? 2 : 1);
+    RunHalves(pool, m, RunQuantHalf, &call, FirstHalfWidth(n) < n ? 2 : 1);
   } catch (const std::exception& err) {
     return ffi::Error::Internal(std::string("onednn quantized matmul: ") + err.what());
   }
@@ -376,6 +395,7 @@ extern "C" int64_t JaxrunnerOnednnPackedBytes(int64_t k, int64_t n, int64_t bf16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] bf16 or f32
                                   .Arg<ffi::AnyBuffer>()  // w: packed bytes (JaxrunnerCpuOnednnPack)
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32
@@ -395,6 +415,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnUnpack, Unpack,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnQuantMatmul, QuantMatmul,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
                                   .Arg<ffi::AnyBuffer>()  // packed [N, K/2] uint8 (int4) or [N, K] int8
                                   .Arg<ffi::AnyBuffer>()  // scales [N, G] f32 or f16
