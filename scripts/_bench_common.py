@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help="most sequences in one step (default: derived from the workload)")
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
-                   help="token budget of one step (default: max(256, max-num-seqs))")
+                   help=f"token budget of one step (default: max({MIN_TOKEN_BUDGET}, max-num-seqs))")
     g.add_argument("--max-model-len", type=int, default=max_model_len,
                    help="longest prompt + output (default: the workload's longest, rounded up to a page)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -101,6 +101,14 @@ def round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
 
 
+MIN_TOKEN_BUDGET = 256  # the default token budget of one step, unless more sequences than that run
+
+
+def default_token_budget(max_num_seqs: int) -> int:
+    """The step's token budget when ``--max-num-batched-tokens`` is unset."""
+    return max(MIN_TOKEN_BUDGET, max_num_seqs)
+
+
 def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bool = True) -> dict:
     """``LLM(**options)`` from the flags; unset sizes fit the workload (longest request, concurrency).
 
@@ -111,7 +119,7 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
         raise BenchError(f"--max-model-len {max_model_len}: the workload's longest request needs "
                          f"{max_total_len} tokens (prompt + output)")
     max_num_seqs = args.max_num_seqs or max(1, min(max_concurrency, 64))
-    max_num_batched_tokens = args.max_num_batched_tokens or max(256, max_num_seqs)
+    max_num_batched_tokens = args.max_num_batched_tokens or default_token_budget(max_num_seqs)
     options = dict(dtype=args.dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    max_model_len=max_model_len, page_size=args.page_size,
                    enable_prefix_caching=not args.no_prefix_caching,

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from _bench_common import default_token_budget  # beside this script: its folder is on sys.path
 from jaxrunner.config import DEFAULT_MODEL  # no JAX
 
 HISTORY_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -73,21 +74,20 @@ def _config_workload(doc: dict) -> str:
     return " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
 
 
-DEFAULT_THROUGHPUT_BUDGET = 256  # benchmark_throughput's token budget for its 64 sequences
-
-
 def _labelled(doc: dict, workload: str) -> str:
     """``workload`` with what sets the run apart: another model first, a throughput run's token
-    budget other than the script's 256, a forced CPU matmul last (a 1B run or an A/B arm is not
-    the default workload)."""
+    budget other than the scripts' default, a forced CPU matmul last (a 1B run or an A/B arm is
+    not the default workload)."""
     parts = [workload] if workload else []
     model = (doc.get("config") or {}).get("model")
     if model and model != DEFAULT_MODEL:
         parts.insert(0, f"model={os.path.basename(str(model).rstrip('/'))}")
-    budget = _engine_config(doc).get("max_num_batched_tokens")
-    if doc.get("benchmark") == "throughput" and budget not in (None, DEFAULT_THROUGHPUT_BUDGET):
+    engine = _engine_config(doc)
+    budget = engine.get("max_num_batched_tokens")
+    if doc.get("benchmark") == "throughput" and budget not in (
+            None, default_token_budget(engine.get("max_num_seqs") or 0)):
         parts.append(f"max_num_batched_tokens={budget}")
-    matmul = _engine_config(doc).get("cpu_matmul", "auto")
+    matmul = engine.get("cpu_matmul", "auto")
     if matmul != "auto":
         parts.append(f"cpu_matmul={matmul}")
     return " ".join(parts)
