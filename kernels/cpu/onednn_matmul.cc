@@ -181,11 +181,10 @@ struct Call {
 
 // Products of this many rows or more run their halves on XLA's intra-op pool; fewer, on the
 // native kernels' helper thread. The helper, awake (yielding) for a while after each call, wins
-// where a step is a chain of products that read their weights once (a 1B Llama's batch-1 TPOT:
-// 88 ms on the helper, 99 on the pool), and loses where products take their turn with the
-// attention and element-wise work on XLA's threads, whose two cores it then contends for (a 1B
-// Llama's throughput at 64 sequences: 309 tok/s on the helper, 361 on the pool; at 8 sequences,
-// TPOT 114 against 111 ms).
+// where a step is a chain of products that read their weights once (batch-1 decoding), and loses
+// where products take turns with the attention and element-wise work on XLA's threads: on two
+// cores it then contends with them. The measurements behind the threshold are in
+// docs/performance.md ("CPU matmuls").
 constexpr int64_t kPoolRows = 8;
 
 void RunHalves(ffi::ThreadPool& pool, int64_t rows, jaxrunner_cpu::HelperThread::Task task, const void* context,
@@ -221,7 +220,8 @@ int64_t PackedBytes(int64_t k, int64_t n, bool bf16) {
 bool IsBf16(ffi::DataType type) { return type == ffi::DataType::BF16; }
 bool IsFloat(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::F32; }
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int64_t n) {
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t n) {
   const auto xd = x.dimensions();
   if (xd.size() != 2 || !IsFloat(x.element_type()) || w.element_type() != ffi::DataType::U8 ||
       w.dimensions().size() != 1)
@@ -310,8 +310,8 @@ void RunQuantHalf(const void* context, int64_t index) {
   }
 }
 
-ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales,
+                       ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
   using ffi::DataType;
   const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
   const bool int4 = packed.element_type() == DataType::U8, f16 = scales.element_type() == DataType::F16;

@@ -312,7 +312,7 @@ void RunTiles(ffi::ThreadPool& pool, const Problem& p) {
 // product takes in all (with those, the step was slower than on one thread). A product of
 // several megabytes, such as a tied LM head, spreads over XLA's threads where they are more than
 // the helper's two: on two cores the pool adds no core, and the caller with both pool threads
-// oversubscribed them (SmolLM2's int8 head, 28 MB at one row: 14 -> 16.5 GB/s on the helper).
+// oversubscribed them (docs/performance.md has the int8 LM head's rates both ways).
 constexpr int64_t kPooledBytes = int64_t(4) << 20;  // packed bytes from which a larger pool joins
 
 template <int M, typename QT>
