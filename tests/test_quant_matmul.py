@@ -4,9 +4,9 @@ where, and the XLA path lowering for GPU and TPU.
 
 The oracle multiplies x (as given, widened) with the dequantized weight in float64. The kernel
 accumulates in float32 and scales once per group: its error is a few float32 ulps of
-sum |x| |w|. With AVX512-VNNI, its few-row products round x to 16 bits per run of 32 inputs
-first (``cpu/quant_dot_vnni.h``), which adds at most max|x over the run| / 65024 per input. The
-XLA path dequantizes to x's dtype first, so with bf16 activations the weight is rounded to bf16
+sum |x| |w|. With AVX512-VNNI (and with AVX2 alone, for int4 weights), its few-row products
+round x to 16 bits per run of 32 inputs first (``cpu/quant_dot.h``), which adds at most
+max|x over the run| / 65024 per input. The XLA path dequantizes to x's dtype first, so with bf16 activations the weight is rounded to bf16
 too (one bf16 ulp of each weight)."""
 from __future__ import annotations
 
@@ -59,6 +59,20 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
     got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
     want, _ = _oracle(x, leaf)
     assert got.dtype == np.float32 and got.shape == want.shape
+    bound = _kernel_bound(x, leaf)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("k,group", [(32, 32), (544, 32), (576, 64)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_kernel_takes_any_number_of_runs(fmt, k, group, rows):
+    """One run of 32 inputs, an odd number of runs (17: the integer dot products read runs in
+    pairs, sixteen or eight at a time), and groups of two runs: each matches the oracle."""
+    x, w, leaf = _case(fmt, group, rows, jnp.float32, k=k, n=40, seed=2)
+    got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
+    want, _ = _oracle(x, leaf)
     bound = _kernel_bound(x, leaf)
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
 

@@ -230,7 +230,7 @@ inline void PrefetchLine(const char* p) {
 }
 
 // Into L1 (prefetcht0): for a few sequential streams read at the memory's rate, where L1's miss
-// buffers are not the limit. The integer dot products of int4 weights (quant_dot_vnni.h) ran a
+// buffers are not the limit. The integer dot products of int4 weights (quant_dot.h) ran a
 // batch-1 step about a tenth faster with it than with PrefetchLine (two alternating pairs).
 inline void PrefetchLineL1(const char* p) {
 #if defined(__x86_64__)

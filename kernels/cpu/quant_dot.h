@@ -1,0 +1,333 @@
+// Few-row quantized products as integer dot products, for quant_matmul.cc: AVX512-VNNI
+// (int8 and int4 weights) or AVX2 (int4 weights).
+//
+// Why: a batch-1 decode should run at the memory's rate, but turning int4 codes into float32
+// weights and multiplying them in float32 takes about eight vector instructions per 32 weights.
+// On a CPU that runs each 512-bit instruction as two 256-bit halves (AMD Zen 4), that ran at about
+// half the memory's rate. vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes and adds them
+// in fours into sixteen int32 lanes: about three instructions per 32 weights here. AVX2 has no
+// vpdpbusd; vpmaddubsw (pairs of products into int16) then vpmaddwd (pairs of those into int32)
+// give the same sums in about half the instructions of the float form, where the CPU (AMD Zen 1
+// and 2 run each 256-bit instruction as two 128-bit halves) made that form compute-bound too.
+//
+// What it computes: x is rounded, per run of 32 inputs, to 16-bit integers scaled to the run's
+// largest magnitude, x ~ dx * (256 * hi + lo) with hi and lo int8 planes. The rounding error of an
+// input is at most max|x over its run| / 65024, a few hundred times finer than bfloat16
+// activations; the codes' products with the planes are summed exactly in int32, then scaled by
+// (weight scale * dx) in float32. Offsets (int4) multiply the exact float sums of x; int8 codes
+// are read biased to unsigned (q + 128) and the bias's products are subtracted exactly. With AVX2
+// only int4 codes take this path: a biased int8 code times a plane can overflow vpmaddubsw's
+// int16 pairs, where a 4-bit code cannot (2 * 15 * 128 per pair).
+//
+// Layouts: an int4 run is 16 bytes (GGUF order: low nibbles are inputs 0..15, high nibbles
+// 16..31), so one 64-byte block holds 4 runs and int32 lane j belongs to run j / 4; x's planes
+// for a block are [hi of inputs 0..15 of each run, lo of those, hi of inputs 16..31, lo of those].
+// An int8 run is 32 bytes, a block holds 2 runs, lane j belongs to run j / 8, and the planes are
+// [hi, lo] in input order. AVX2 reads a block as two halves of 2 runs each, the planes' matching
+// 32 bytes alike.
+#pragma once
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JAXRUNNER_QUANT_DOT 1
+#define JAXRUNNER_QUANT_DOT_VNNI 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#define JAXRUNNER_QUANT_DOT 1
+#define JAXRUNNER_QUANT_DOT_AVX2 1
+#endif
+
+#if JAXRUNNER_QUANT_DOT
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "vec.h"
+
+namespace jaxrunner_cpu {
+
+constexpr int64_t kRunInputs = 32;
+constexpr float kX16Max = 32512.0f;  // |256 * hi + lo| with hi in [-127, 127] and lo in [-128, 127]
+
+// Whether int8 weights take the integer dot products too (see the header comment).
+#if JAXRUNNER_QUANT_DOT_VNNI
+constexpr bool kQuantDotInt8 = true;
+#else
+constexpr bool kQuantDotInt8 = false;
+#endif
+
+// The quantized weight of one product, as quant_matmul.cc describes it.
+struct QuantWeights {
+  const void* packed;
+  const void* scales;
+  const void* offsets;  // or null
+  bool half_scales, int4;
+  int64_t n, k, groups;
+
+  float ValueAt(const void* values, int64_t i) const {  // a scale or offset, float16 or float32
+    return half_scales ? HalfToF32(static_cast<const uint16_t*>(values)[i]) : static_cast<const float*>(values)[i];
+  }
+};
+
+// x [rows, k] as int8 planes per block, with per-run dx, float sums, and the int8 bias term.
+class QuantizedX {
+ public:
+  QuantizedX(const float* x, int64_t rows, int64_t k, bool int4)
+      : runs_(k / kRunInputs), chunks_((runs_ + 15) / 16), int4_(int4),
+        runs_per_block_(int4 ? 4 : 2), blocks_((runs_ + runs_per_block_ - 1) / runs_per_block_),
+        planes_(rows * blocks_ * 256, 0), dx_(rows * chunks_ * 16, 0.0f), sum_(dx_.size(), 0.0f),
+        bias_(dx_.size(), 0.0f) {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t r = 0; r < runs_; ++r) QuantizeRun(x + m * k + r * kRunInputs, m, r);
+  }
+
+  int64_t runs() const { return runs_; }
+  const int8_t* Planes(int64_t m, int64_t block) const { return planes_.data() + (m * blocks_ + block) * 256; }
+  // Row m's per-run values, padded with zeros to a multiple of 16 runs.
+  const float* Dx(int64_t m) const { return dx_.data() + m * chunks_ * 16; }
+  const float* Sum(int64_t m) const { return sum_.data() + m * chunks_ * 16; }
+  const float* Bias(int64_t m) const { return bias_.data() + m * chunks_ * 16; }
+
+ private:
+  void QuantizeRun(const float* x, int64_t m, int64_t r) {
+    alignas(64) int32_t v[kRunInputs];
+    float peak, sum;
+    Round(x, v, peak, sum);
+    const int64_t slot = m * chunks_ * 16 + r;
+    dx_[slot] = peak > 0.0f ? peak / kX16Max : 1.0f;
+    sum_[slot] = sum;
+    int32_t total = 0;
+    for (int i = 0; i < kRunInputs; ++i) total += v[i];
+    bias_[slot] = -128.0f * float(total);
+    int8_t* planes = planes_.data() + (m * blocks_ + r / runs_per_block_) * 256;
+    const int64_t j = r % runs_per_block_;
+    if (int4_) {  // inputs 0..15 -> planes 0 and 1, inputs 16..31 -> planes 2 and 3, at 16 * j
+      Split(v, planes + 16 * j, planes + 64 + 16 * j);
+      Split(v + 16, planes + 128 + 16 * j, planes + 192 + 16 * j);
+    } else {  // inputs in order: planes 0 and 1, at 32 * j
+      Split(v, planes + 32 * j, planes + 64 + 32 * j);
+      Split(v + 16, planes + 32 * j + 16, planes + 64 + 32 * j + 16);
+    }
+  }
+
+  // The 32 inputs at x rounded to integers scaled to their largest magnitude (to nearest even),
+  // with that magnitude and their float sum.
+  static void Round(const float* x, int32_t* v, float& peak, float& sum) {
+#if JAXRUNNER_QUANT_DOT_VNNI
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    const __m512 inverse = _mm512_set1_ps(peak > 0.0f ? kX16Max / peak : 0.0f);
+    _mm512_store_si512(v, _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)));
+    _mm512_store_si512(v + 16, _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
+#else
+    __m256 part[4], magnitude = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i) {
+      part[i] = _mm256_loadu_ps(x + 8 * i);
+      magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, part[i]));
+      total = _mm256_add_ps(total, part[i]);
+    }
+    alignas(32) float lanes[8], sums[8];
+    _mm256_store_ps(lanes, magnitude);
+    _mm256_store_ps(sums, total);
+    peak = *std::max_element(lanes, lanes + 8);
+    sum = 0.0f;
+    for (float s : sums) sum += s;
+    const __m256 inverse = _mm256_set1_ps(peak > 0.0f ? kX16Max / peak : 0.0f);
+    for (int i = 0; i < 4; ++i)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)));
+#endif
+  }
+
+  // 16 values v = 256 * hi + lo, hi = (v + 128) >> 8 (floor), lo = v - 256 * hi in [-128, 127].
+  static void Split(const int32_t* v, int8_t* hi_out, int8_t* lo_out) {
+    for (int i = 0; i < 16; ++i) {
+      const int32_t hi = (v[i] + 128) >> 8;
+      hi_out[i] = int8_t(hi);
+      lo_out[i] = int8_t(v[i] - 256 * hi);
+    }
+  }
+
+  int64_t runs_, chunks_;
+  bool int4_;
+  int64_t runs_per_block_, blocks_;
+  std::vector<int8_t> planes_;           // [rows, blocks, 4 (int4) or 2 used of 4, 64]
+  std::vector<float> dx_, sum_, bias_;  // [rows, chunks * 16]
+};
+
+// Asks for output n's codes and scales a few kilobytes before they are read. Without it the
+// integer dot products waited on memory: one row is a few hundred bytes of codes in three streams
+// (codes, scales, offsets), and the SmolLM2 batch-1 int4 step took 14-15 ms without it and
+// 10-11 ms with it (two alternating pairs of the latency benchmark).
+inline void PrefetchOutput(const QuantWeights& w, int64_t n) {
+  const int64_t row_bytes = w.int4 ? w.k / 2 : w.k, scale_bytes = w.groups * (w.half_scales ? 2 : 4);
+  const char* codes = static_cast<const char*>(w.packed) + n * row_bytes;
+  for (int64_t at = 0; at < row_bytes; at += 64) PrefetchLineL1(codes + at);
+  for (const void* values : {w.scales, w.offsets})
+    if (values != nullptr)
+      for (int64_t at = 0; at < scale_bytes; at += 64)
+        PrefetchLineL1(static_cast<const char*>(values) + n * scale_bytes + at);
+}
+
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the codes being read
+
+// The output after n whose codes to prefetch now.
+inline int64_t PrefetchAhead(const QuantWeights& w, int64_t n) {
+  const int64_t row_bytes = w.int4 ? w.k / 2 : w.k;
+  return n + std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+}
+
+#if JAXRUNNER_QUANT_DOT_VNNI
+// The weight scales (or offsets) of `count` runs from run `first` of output n, one per lane.
+inline __m512 RunValues(const QuantWeights& w, const void* values, int64_t n, int64_t first, int64_t count) {
+  const int64_t runs = w.k / kRunInputs, runs_per_group = runs / w.groups;
+  const __mmask16 mask = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+  if (runs_per_group == 1) {  // one scale per run (GGUF blocks, int4 groups of 32)
+    const int64_t at = n * w.groups + first;
+    if (w.half_scales) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(values) + at));
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(values) + at);
+  }
+  if (w.groups == 1) {  // one scale per output (per-channel int8)
+    return _mm512_maskz_mov_ps(mask, _mm512_set1_ps(w.ValueAt(values, n)));
+  }
+  alignas(64) float lanes[16] = {};
+  for (int64_t j = 0; j < count; ++j) lanes[j] = w.ValueAt(values, n * w.groups + (first + j) / runs_per_group);
+  return _mm512_load_ps(lanes);
+}
+
+// The int32 sums of one block's codes with row m's planes, each lane four products.
+template <bool kInt4>
+inline __m512i BlockDot(__m512i codes, const int8_t* planes) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i hi, lo;
+  if constexpr (kInt4) {
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i low = _mm512_and_si512(codes, nibble), high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+    hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(planes)), high,
+                             _mm512_loadu_si512(planes + 128));
+    lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(planes + 64)), high,
+                             _mm512_loadu_si512(planes + 192));
+  } else {
+    const __m512i biased = _mm512_xor_si512(codes, _mm512_set1_epi8(char(0x80)));
+    hi = _mm512_dpbusd_epi32(zero, biased, _mm512_loadu_si512(planes));
+    lo = _mm512_dpbusd_epi32(zero, biased, _mm512_loadu_si512(planes + 64));
+  }
+  return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+}
+
+// y[m * w.n + n] for the M rows of x and output n.
+template <int M, bool kInt4>
+void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
+  constexpr int64_t kRunsPerBlock = kInt4 ? 4 : 2, kRowBytes = kInt4 ? 16 : 32;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kRunInputs) * kRowBytes;
+  const __m512i lane_run = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             kInt4 ? 2 : 3);  // which run of the block a lane belongs to
+  const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
+  if (ahead < w.n) PrefetchOutput(w, ahead);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t first = 0; first < runs; first += 16) {
+    const int64_t count = std::min<int64_t>(16, runs - first);
+    const __m512 scale = RunValues(w, w.scales, n, first, count);
+    __m512 scale_dx[M];
+    for (int m = 0; m < M; ++m) {
+      scale_dx[m] = _mm512_mul_ps(scale, _mm512_loadu_ps(x.Dx(m) + first));
+      if constexpr (kInt4) {
+        if (w.offsets != nullptr)
+          acc[m] = _mm512_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm512_loadu_ps(x.Sum(m) + first), acc[m]);
+      } else {
+        acc[m] = _mm512_fmadd_ps(scale_dx[m], _mm512_loadu_ps(x.Bias(m) + first), acc[m]);
+      }
+    }
+    for (int64_t r = 0; r < count; r += kRunsPerBlock) {
+      const int64_t block = (first + r) / kRunsPerBlock, bytes = std::min<int64_t>(64, (count - r) * kRowBytes);
+      const uint8_t* at = codes + block * 64;
+      const __m512i v = bytes == 64 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8((__mmask64(1) << bytes) - 1, at);
+      const __m512i lanes = _mm512_add_epi32(lane_run, _mm512_set1_epi32(int32_t(r)));
+      for (int m = 0; m < M; ++m) {
+        const __m512 dot = _mm512_cvtepi32_ps(BlockDot<kInt4>(v, x.Planes(m, block)));
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes, scale_dx[m]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * w.n + n] = _mm512_reduce_add_ps(acc[m]);
+}
+
+#else  // JAXRUNNER_QUANT_DOT_AVX2
+
+// The weight scales (or offsets) of `count` (up to 8) runs from run `first` of output n, one per
+// lane, zeros after them.
+inline __m256 RunValues(const QuantWeights& w, const void* values, int64_t n, int64_t first, int64_t count) {
+  const int64_t runs = w.k / kRunInputs, runs_per_group = runs / w.groups;
+  if (runs_per_group == 1 && count == 8) {  // one scale per run (GGUF blocks, int4 groups of 32)
+    const int64_t at = n * w.groups + first;
+    if (w.half_scales)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
+    return _mm256_loadu_ps(static_cast<const float*>(values) + at);
+  }
+  alignas(32) float lanes[8] = {};
+  for (int64_t j = 0; j < count; ++j) lanes[j] = w.ValueAt(values, n * w.groups + (first + j) / runs_per_group);
+  return _mm256_load_ps(lanes);
+}
+
+// The int32 sums of two int4 runs' codes (32 bytes) with row m's matching planes (the 32 bytes at
+// `planes` of each of the block's four planes), four products per lane: lanes 0..3 the first run,
+// 4..7 the second. A pair of products is at most 2 * 15 * 128 and two pairs at most 7680, so the
+// int16 sums never saturate.
+inline __m256i PairDot(__m256i codes, const int8_t* planes) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_and_si256(codes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
+  const auto plane = [planes](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + 64 * i)); };
+  const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(low, plane(0)), _mm256_maddubs_epi16(high, plane(2)));
+  const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(low, plane(1)), _mm256_maddubs_epi16(high, plane(3)));
+  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+}
+
+inline float SumLanes(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// y[m * w.n + n] for the M rows of x and output n (int4 codes only, see kQuantDotInt8).
+template <int M, bool kInt4>
+void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
+  static_assert(kInt4, "AVX2's integer dot products take int4 codes only");
+  constexpr int64_t kRowBytes = 16;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kRunInputs) * kRowBytes;
+  const __m256i lane_run = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // which run of the pair a lane belongs to
+  const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
+  if (ahead < w.n) PrefetchOutput(w, ahead);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t first = 0; first < runs; first += 8) {
+    const int64_t count = std::min<int64_t>(8, runs - first);
+    const __m256 scale = RunValues(w, w.scales, n, first, count);
+    __m256 scale_dx[M];
+    for (int m = 0; m < M; ++m) {
+      scale_dx[m] = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m) + first));
+      if (w.offsets != nullptr)
+        acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m) + first), acc[m]);
+    }
+    for (int64_t r = 0; r < count; r += 2) {  // runs first + r and first + r + 1: half of a block
+      const int64_t run = first + r;
+      const uint8_t* at = codes + run * kRowBytes;
+      const __m256i v = count - r >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      const __m256i lanes = _mm256_add_epi32(lane_run, _mm256_set1_epi32(int32_t(r)));
+      for (int m = 0; m < M; ++m) {
+        const __m256 dot = _mm256_cvtepi32_ps(PairDot(v, x.Planes(m, run / 4) + 32 * (run % 4 / 2)));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], lanes), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * w.n + n] = SumLanes(acc[m]);
+}
+
+#endif
+
+}  // namespace jaxrunner_cpu
+
+#endif
