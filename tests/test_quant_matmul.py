@@ -67,10 +67,14 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("k,group", [(32, 32), (544, 32), (576, 64)])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_native_kernel_takes_any_number_of_runs(fmt, k, group, rows):
+@pytest.mark.parametrize("scales", [np.float32, np.float16])
+def test_native_kernel_takes_any_number_of_runs(fmt, k, group, rows, scales):
     """One run of 32 inputs, an odd number of runs (17: the integer dot products read runs in
-    pairs, sixteen or eight at a time), and groups of two runs: each matches the oracle."""
-    x, w, leaf = _case(fmt, group, rows, jnp.float32, k=k, n=40, seed=2)
+    pairs, sixteen or eight at a time, and the last output's scales end the buffer), and groups
+    of two runs: each matches the oracle."""
+    x, _, leaf = _case(fmt, group, rows, jnp.float32, k=k, n=40, seed=2)
+    leaf = {name: part if name == "packed" else part.astype(scales) for name, part in leaf.items()}
+    w = {name: jnp.asarray(part) for name, part in leaf.items()}
     got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
     want, _ = _oracle(x, leaf)
     bound = _kernel_bound(x, leaf)

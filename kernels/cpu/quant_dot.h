@@ -261,11 +261,16 @@ void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) 
 // lane, zeros after them.
 inline __m256 RunValues(const QuantWeights& w, const void* values, int64_t n, int64_t first, int64_t count) {
   const int64_t runs = w.k / kRunInputs, runs_per_group = runs / w.groups;
-  if (runs_per_group == 1 && count == 8) {  // one scale per run (GGUF blocks, int4 groups of 32)
+  if (runs_per_group == 1 && (count == 8 || n + 1 < w.n)) {  // one scale per run (GGUF blocks, int4 groups of 32)
+    // Fewer than 8 runs left: the next output's values follow (only the last output's would lie
+    // past the end), and the lanes after `count` are cleared.
     const int64_t at = n * w.groups + first;
-    if (w.half_scales)
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
-    return _mm256_loadu_ps(static_cast<const float*>(values) + at);
+    const __m256 all = w.half_scales
+        ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)))
+        : _mm256_loadu_ps(static_cast<const float*>(values) + at);
+    if (count == 8) return all;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_and_ps(all, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(count)), lane)));
   }
   alignas(32) float lanes[8] = {};
   for (int64_t j = 0; j < count; ++j) lanes[j] = w.ValueAt(values, n * w.groups + (first + j) / runs_per_group);
