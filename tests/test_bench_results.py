@@ -103,6 +103,16 @@ def test_history_tells_a_throughput_run_of_another_token_budget_apart():
     assert workload(4096) == "num_requests=4 output_len=8 max_num_batched_tokens=4096"
 
 
+def test_history_tells_cpus_of_one_name_apart_by_their_vector_features():
+    def machine(features):
+        device = {"jax_backend": "cpu", "cpu": "AMD EPYC", "cpu_affinity": 2, "cpu_features": features}
+        return bench_history.machine({"device": device})
+
+    assert machine(["avx2", "fma"]) == "cpu: AMD EPYC (avx2 fma), 2 cores"
+    assert machine(["avx2", "avx512_bf16", "avx512f"]) != machine(["avx2", "fma"])
+    assert machine([]) == "cpu: AMD EPYC, 2 cores"
+
+
 def test_history_labels_per_row_workloads_too():
     doc = {"benchmark": "latency", "config": {"model": "/models/random-llama-1b", "engine": {"dtype": "bfloat16"}},
            "results": [{"engine": "jaxrunner", "batch_size": 1, "input_len": 8, "output_len": 8,

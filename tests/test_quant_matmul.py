@@ -4,9 +4,8 @@ where, and the XLA path lowering for GPU and TPU.
 
 The oracle multiplies x (as given, widened) with the dequantized weight in float64. The kernel
 accumulates in float32 and scales once per group: its error is a few float32 ulps of
-sum |x| |w|. With AVX512-VNNI (and with AVX2 alone, for int4 weights), its few-row products
-round x to 16 bits per run of 32 inputs first (``cpu/quant_dot.h``), which adds at most
-max|x over the run| / 65024 per input. The XLA path dequantizes to x's dtype first, so with bf16 activations the weight is rounded to bf16
+sum |x| |w|. With AVX512-VNNI or AVX2, its few-row products round x to 16 bits per run of 32
+inputs first (``cpu/quant_dot.h``), which adds at most max|x over the run| / 65024 per input. The XLA path dequantizes to x's dtype first, so with bf16 activations the weight is rounded to bf16
 too (one bf16 ulp of each weight)."""
 from __future__ import annotations
 
@@ -50,6 +49,14 @@ def _kernel_bound(x, leaf):
     return 4 * x64.shape[1] * np.finfo(np.float32).eps * magnitude + x16 + 1e-30
 
 
+def _assert_kernel_within_bound(x, leaf):
+    w = {name: jnp.asarray(part) for name, part in leaf.items()}
+    got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
+    want, _ = _oracle(x, leaf)
+    bound = _kernel_bound(x, leaf)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
 @needs_native
 @pytest.mark.parametrize("fmt,group", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
@@ -74,11 +81,19 @@ def test_native_kernel_takes_any_number_of_runs(fmt, k, group, rows, scales):
     of two runs: each matches the oracle."""
     x, _, leaf = _case(fmt, group, rows, jnp.float32, k=k, n=40, seed=2)
     leaf = {name: part if name == "packed" else part.astype(scales) for name, part in leaf.items()}
-    w = {name: jnp.asarray(part) for name, part in leaf.items()}
-    got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
-    want, _ = _oracle(x, leaf)
-    bound = _kernel_bound(x, leaf)
-    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    _assert_kernel_within_bound(x, leaf)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_codes_at_the_ends_of_their_range(rows):
+    """Codes of -128 and 127 against inputs that are each their run's peak, of either sign: the
+    integer dot products' int16 pair sums are at their largest (2 * 128 * 127) and stay exact."""
+    x, _, leaf = _case("int8", 32, rows, jnp.float32, k=256, n=24, seed=3)
+    rng = np.random.default_rng(4)
+    leaf = {**leaf, "packed": rng.choice(np.array([-128, 127, -127, 0], np.int8), size=leaf["packed"].shape)}
+    x = jnp.asarray(3.0 * rng.choice(np.array([-1.0, 1.0], np.float32), size=x.shape))
+    _assert_kernel_within_bound(x, leaf)
 
 
 @needs_native

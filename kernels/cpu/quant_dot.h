@@ -1,5 +1,4 @@
-// Few-row quantized products as integer dot products, for quant_matmul.cc: AVX512-VNNI
-// (int8 and int4 weights) or AVX2 (int4 weights).
+// Few-row quantized products as integer dot products, for quant_matmul.cc: AVX512-VNNI or AVX2.
 //
 // Why: a batch-1 decode should run at the memory's rate, but turning int4 codes into float32
 // weights and multiplying them in float32 takes about eight vector instructions per 32 weights.
@@ -7,17 +6,21 @@
 // half the memory's rate. vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes and adds them
 // in fours into sixteen int32 lanes: about three instructions per 32 weights here. AVX2 has no
 // vpdpbusd; vpmaddubsw (pairs of products into int16) then vpmaddwd (pairs of those into int32)
-// give the same sums in about half the instructions of the float form, where the CPU (AMD Zen 1
-// and 2 run each 256-bit instruction as two 128-bit halves) made that form compute-bound too.
+// give the same sums in about half the instructions of the float form for int4, where the CPU
+// (AMD Zen 1 and 2 run each 256-bit instruction as two 128-bit halves) made that form
+// compute-bound too.
 //
 // What it computes: x is rounded, per run of 32 inputs, to 16-bit integers scaled to the run's
-// largest magnitude, x ~ dx * (256 * hi + lo) with hi and lo int8 planes. The rounding error of an
+// largest magnitude, x ~ dx * (kPlaneBase * hi + lo) with hi and lo int8 planes. The rounding error of an
 // input is at most max|x over its run| / 65024, a few hundred times finer than bfloat16
 // activations; the codes' products with the planes are summed exactly in int32, then scaled by
-// (weight scale * dx) in float32. Offsets (int4) multiply the exact float sums of x; int8 codes
-// are read biased to unsigned (q + 128) and the bias's products are subtracted exactly. With AVX2
-// only int4 codes take this path: a biased int8 code times a plane can overflow vpmaddubsw's
-// int16 pairs, where a 4-bit code cannot (2 * 15 * 128 per pair).
+// (weight scale * dx) in float32. Offsets (int4) multiply the exact float sums of x. With VNNI,
+// int8 codes are read biased to unsigned (q + 128) and the bias's products are subtracted
+// exactly. AVX2's vpmaddubsw sums its pairs in int16, where a biased code times a plane could
+// overflow: there an int8 code enters as |q| against the planes with their signs flipped where
+// q < 0 (vpsignb), at most 2 * 128 * 127 per pair, which needs planes in [-127, 127]; so AVX2's
+// planes are base 255 (lo in [-127, 127]), VNNI's base 256. A 4-bit code never comes near
+// (2 * 15 * 128 per pair).
 //
 // Layouts: an int4 run is 16 bytes (GGUF order: low nibbles are inputs 0..15, high nibbles
 // 16..31), so one 64-byte block holds 4 runs and int32 lane j belongs to run j / 4; x's planes
@@ -48,14 +51,12 @@
 namespace jaxrunner_cpu {
 
 constexpr int64_t kRunInputs = 32;
-constexpr float kX16Max = 32512.0f;  // |256 * hi + lo| with hi in [-127, 127] and lo in [-128, 127]
-
-// Whether int8 weights take the integer dot products too (see the header comment).
 #if JAXRUNNER_QUANT_DOT_VNNI
-constexpr bool kQuantDotInt8 = true;
+constexpr int32_t kPlaneBase = 256;  // lo in [-128, 127]
 #else
-constexpr bool kQuantDotInt8 = false;
+constexpr int32_t kPlaneBase = 255;  // lo in [-127, 127], for vpsignb
 #endif
+constexpr float kX16Max = 32512.0f;  // |kPlaneBase * hi + lo| with hi in [-127, 127], either base
 
 // The quantized weight of one product, as quant_matmul.cc describes it.
 struct QuantWeights {
@@ -141,12 +142,13 @@ class QuantizedX {
 #endif
   }
 
-  // 16 values v = 256 * hi + lo, hi = (v + 128) >> 8 (floor), lo = v - 256 * hi in [-128, 127].
+  // 16 values v = kPlaneBase * hi + lo, hi = floor((v + kPlaneBase / 2) / kPlaneBase).
   static void Split(const int32_t* v, int8_t* hi_out, int8_t* lo_out) {
     for (int i = 0; i < 16; ++i) {
-      const int32_t hi = (v[i] + 128) >> 8;
+      const int32_t shifted = v[i] + kPlaneBase / 2;
+      const int32_t hi = (shifted >= 0 ? shifted : shifted - (kPlaneBase - 1)) / kPlaneBase;
       hi_out[i] = int8_t(hi);
-      lo_out[i] = int8_t(v[i] - 256 * hi);
+      lo_out[i] = int8_t(v[i] - kPlaneBase * hi);
     }
   }
 
@@ -257,6 +259,12 @@ void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) 
 
 #else  // JAXRUNNER_QUANT_DOT_AVX2
 
+// A mask of the first `count` of 8 float lanes.
+inline __m256 FirstLanes(int64_t count) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(count)), lane));
+}
+
 // The weight scales (or offsets) of `count` (up to 8) runs from run `first` of output n, one per
 // lane, zeros after them.
 inline __m256 RunValues(const QuantWeights& w, const void* values, int64_t n, int64_t first, int64_t count) {
@@ -268,10 +276,9 @@ inline __m256 RunValues(const QuantWeights& w, const void* values, int64_t n, in
     const __m256 all = w.half_scales
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)))
         : _mm256_loadu_ps(static_cast<const float*>(values) + at);
-    if (count == 8) return all;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_and_ps(all, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(count)), lane)));
+    return count == 8 ? all : _mm256_and_ps(all, FirstLanes(count));
   }
+  if (w.groups == 1) return _mm256_and_ps(_mm256_set1_ps(w.ValueAt(values, n)), FirstLanes(count));  // per-channel int8
   alignas(32) float lanes[8] = {};
   for (int64_t j = 0; j < count; ++j) lanes[j] = w.ValueAt(values, n * w.groups + (first + j) / runs_per_group);
   return _mm256_load_ps(lanes);
@@ -287,7 +294,18 @@ inline __m256i PairDot(__m256i codes, const int8_t* planes) {
   const auto plane = [planes](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + 64 * i)); };
   const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(low, plane(0)), _mm256_maddubs_epi16(high, plane(2)));
   const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(low, plane(1)), _mm256_maddubs_epi16(high, plane(3)));
-  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(kPlaneBase)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+}
+
+// The int32 sums of one int8 run's codes (32 bytes) with row m's planes (hi at `planes`, lo 64
+// bytes on), four products per lane, all lanes the one run: |q| against the planes' bytes with
+// q's sign.
+inline __m256i RunDotInt8(__m256i codes, const int8_t* planes) {
+  const auto plane = [planes](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + 64 * i)); };
+  const __m256i magnitude = _mm256_abs_epi8(codes);
+  const __m256i hi = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(plane(0), codes));
+  const __m256i lo = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(plane(1), codes));
+  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(kPlaneBase)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
 }
 
 inline float SumLanes(__m256 v) {
@@ -296,13 +314,39 @@ inline float SumLanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// y[m * w.n + n] for the M rows of x and output n (int4 codes only, see kQuantDotInt8).
+// Row m's products with the codes of runs first .. first + count of one output, added into acc
+// with each run's scale * dx (scale_dx, lane r for run first + r). int4: two runs per read, half
+// of a block; int8: one run, half of a block too.
+template <bool kInt4>
+inline __m256 AddRuns(const uint8_t* codes, const QuantizedX& x, int m, int64_t first, int64_t count,
+                      __m256 scale_dx, __m256 acc) {
+  if constexpr (kInt4) {
+    const __m256i lane_run = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // which run of the pair a lane belongs to
+    for (int64_t r = 0; r < count; r += 2) {
+      const int64_t run = first + r;
+      const uint8_t* at = codes + run * 16;
+      const __m256i v = count - r >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      const __m256 dot = _mm256_cvtepi32_ps(PairDot(v, x.Planes(m, run / 4) + 32 * (run % 4 / 2)));
+      const __m256i lanes = _mm256_add_epi32(lane_run, _mm256_set1_epi32(int32_t(r)));
+      acc = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx, lanes), acc);
+    }
+  } else {
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t run = first + r;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + run * 32));
+      const __m256 dot = _mm256_cvtepi32_ps(RunDotInt8(v, x.Planes(m, run / 2) + 32 * (run % 2)));
+      acc = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx, _mm256_set1_epi32(int32_t(r))), acc);
+    }
+  }
+  return acc;
+}
+
+// y[m * w.n + n] for the M rows of x and output n.
 template <int M, bool kInt4>
 void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
-  static_assert(kInt4, "AVX2's integer dot products take int4 codes only");
-  constexpr int64_t kRowBytes = 16;
+  constexpr int64_t kRowBytes = kInt4 ? 16 : 32;
   const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kRunInputs) * kRowBytes;
-  const __m256i lane_run = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // which run of the pair a lane belongs to
   const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
   if (ahead < w.n) PrefetchOutput(w, ahead);
   __m256 acc[M];
@@ -310,22 +354,11 @@ void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) 
   for (int64_t first = 0; first < runs; first += 8) {
     const int64_t count = std::min<int64_t>(8, runs - first);
     const __m256 scale = RunValues(w, w.scales, n, first, count);
-    __m256 scale_dx[M];
     for (int m = 0; m < M; ++m) {
-      scale_dx[m] = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m) + first));
-      if (w.offsets != nullptr)
+      if (kInt4 && w.offsets != nullptr)
         acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m) + first), acc[m]);
-    }
-    for (int64_t r = 0; r < count; r += 2) {  // runs first + r and first + r + 1: half of a block
-      const int64_t run = first + r;
-      const uint8_t* at = codes + run * kRowBytes;
-      const __m256i v = count - r >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
-                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-      const __m256i lanes = _mm256_add_epi32(lane_run, _mm256_set1_epi32(int32_t(r)));
-      for (int m = 0; m < M; ++m) {
-        const __m256 dot = _mm256_cvtepi32_ps(PairDot(v, x.Planes(m, run / 4) + 32 * (run % 4 / 2)));
-        acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], lanes), acc[m]);
-      }
+      const __m256 scale_dx = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m) + first));
+      acc[m] = AddRuns<kInt4>(codes, x, m, first, count, scale_dx, acc[m]);
     }
   }
   for (int m = 0; m < M; ++m) y[m * w.n + n] = SumLanes(acc[m]);

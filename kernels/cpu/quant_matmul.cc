@@ -13,7 +13,7 @@
 // instead looks each code up in its group's sixteen weight values (OutputInt4). With AVX512-VNNI,
 // products of up to kMaxRows rows are integer dot products on x rounded to 16 bits per run of 32
 // inputs instead (quant_dot.h): about half the vector instructions per weight; with AVX2 alone,
-// the same for int4 weights.
+// the same with vpmaddubsw.
 //
 // Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
 // same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
@@ -321,13 +321,11 @@ void OutputsItem(const void* problem, int64_t item) {
   const Problem& p = *static_cast<const Problem*>(problem);
   const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
 #if JAXRUNNER_QUANT_DOT
-  constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
-  if constexpr (kInt4 || kQuantDotInt8) {
-    if (p.qx != nullptr) {
-      const QuantWeights w = p.Weights(kInt4);
-      for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot<M, kInt4>(w, *p.qx, n, p.y);
-      return;
-    }
+  if (p.qx != nullptr) {
+    constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
+    const QuantWeights w = p.Weights(kInt4);
+    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot<M, kInt4>(w, *p.qx, n, p.y);
+    return;
   }
 #endif
   for (int64_t n = item * kOutputsPerItem; n < n1; ++n) Output<M, QT>(p, n);
@@ -390,7 +388,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
             static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
 #if JAXRUNNER_QUANT_DOT
   std::unique_ptr<QuantizedX> qx;  // keeps its own sums of x, per run
-  if (rows <= kMaxRows && (int4 || kQuantDotInt8)) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
+  if (rows <= kMaxRows) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
   if (p.qx == nullptr)
 #endif
   {
