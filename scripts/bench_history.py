@@ -28,11 +28,15 @@ WORKLOAD_KEYS = ("batch_size", "input_len", "output_len", "request_rate")
 
 
 def machine(doc: dict) -> str:
-    """A short description of where a result was measured, e.g. ``cpu: AMD EPYC, 2 cores``."""
+    """A short description of where a result was measured, e.g. ``cpu: AMD EPYC (avx2 fma), 2 cores``:
+    the CPU's vector features tell apart machines that share a name (an AMD EPYC with AVX-512 or
+    AVX2 alone)."""
     device = doc.get("device") or {}
     backend = device.get("jax_backend", "?")
     if backend == "cpu":
-        text = f"cpu: {device.get('cpu', '?')}, {device.get('cpu_affinity') or device.get('cpu_count')} cores"
+        features = " ".join(device.get("cpu_features") or [])
+        name = device.get("cpu", "?") + (f" ({features})" if features else "")
+        text = f"cpu: {name}, {device.get('cpu_affinity') or device.get('cpu_count')} cores"
         devices = len(device.get("jax_devices") or [])
         return text + (f", {devices} devices" if devices > 1 else "")
     return f"{backend}: {device.get('jax_device_kind', '?')}"
