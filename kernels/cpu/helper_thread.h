@@ -33,6 +33,7 @@ class HelperThread {
 
  private:
   static constexpr auto kAwake = std::chrono::microseconds(300);  // time awake after a call
+  static constexpr uint64_t kClosed = 0xffffffffu;                 // a claim index past any call's items
 
   HelperThread() { std::thread([this] { Loop(); }).detach(); }
 
@@ -43,10 +44,13 @@ class HelperThread {
       return;
     }
     const uint64_t generation = ++generation_;  // wraps at 2^32, as claim_ holds it
+    // Close the last call's claims before its items_ changes: a helper still in Drain for it may
+    // read the new items_ (then its claim fails) but never claim past the old count.
+    claim_.store((generation << 32) | kClosed);
     task_.store(task, std::memory_order_relaxed);
     context_.store(context, std::memory_order_relaxed);
-    items_.store(items, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
+    items_.store(items, std::memory_order_release);
     claim_.store(generation << 32, std::memory_order_release);
     posted_.store(generation);
     if (sleeping_.load()) {
@@ -62,7 +66,7 @@ class HelperThread {
     uint64_t c = claim_.load(std::memory_order_acquire);
     while ((c >> 32) == generation) {
       const int64_t item = int64_t(c & 0xffffffffu);
-      const int64_t items = items_.load(std::memory_order_relaxed);
+      const int64_t items = items_.load(std::memory_order_acquire);
       if (item >= items) return;
       if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       task_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), item);
