@@ -142,6 +142,16 @@ def packed_bytes(k: int, n: int, dtype) -> int:
     return size
 
 
+def has_matmul(dtype) -> bool:
+    """Whether oneDNN has a matmul for ``dtype`` (bf16 or float32) weights on this CPU: its bf16
+    kernels need AVX-512 at least, so a CPU with AVX2 alone has float32 only."""
+    try:
+        packed_bytes(64, 64, dtype)
+    except (ValueError, native.NativeKernelUnavailable):
+        return False
+    return True
+
+
 def onednn_pack(w: jax.Array, *, transposed: bool = False) -> OnednnPackedWeight:
     """``w`` ([K, N]; [N, K] when ``transposed``, bf16 or float32) packed for :func:`onednn_matmul`."""
     if w.ndim != 2:

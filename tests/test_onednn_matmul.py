@@ -21,6 +21,10 @@ from matmul_oracle import assert_matches_float64, assert_nan_weight_poisons_only
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 needs_onednn = pytest.mark.skipif(onednn.unavailable_reason() is not None and not X86_LINUX,
                                   reason=f"oneDNN unavailable off x86-64 Linux: {onednn.unavailable_reason()}")
+# oneDNN's bf16 matmul needs AVX-512 at least: on a CPU with AVX2 alone it has float32 only.
+needs_onednn_bf16 = pytest.mark.skipif(onednn.unavailable_reason() is None and not onednn.has_matmul("bfloat16"),
+                                       reason="oneDNN has no bf16 matmul on this CPU (AVX2 alone)")
+BF16_AND_F32 = [pytest.param(jnp.bfloat16, marks=needs_onednn_bf16), jnp.float32]
 
 
 def test_onednn_is_installed_and_builds_on_x86_64_linux():
@@ -36,7 +40,7 @@ def _packed_matmul(x, w, transposed=False):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", BF16_AND_F32)
 @pytest.mark.parametrize("rows", [1, 2, 17, 64])
 @pytest.mark.parametrize("k, n, transposed", [(576, 960, False), (130, 80, False), (7, 48, False),
                                               (64, 1023, True), (576, 4096, True)])
@@ -50,7 +54,7 @@ def test_matches_a_float64_oracle(rows, k, n, transposed, dtype):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", BF16_AND_F32)
 def test_packing_keeps_every_bit_and_says_its_size(dtype):
     """Unpacking gives back the weight bit for bit (what ``LLM.params`` shows); the packed size is
     known before anything is traced, and covers at least the weight."""
@@ -63,11 +67,13 @@ def test_packing_keeps_every_bit_and_says_its_size(dtype):
 
 
 @needs_onednn
+@needs_onednn_bf16
 def test_each_output_sees_only_its_own_weights():
     assert_nan_weight_poisons_only_its_output(_packed_matmul, rows=33)
 
 
 @needs_onednn
+@needs_onednn_bf16
 def test_calls_from_two_threads_at_once_each_get_their_own_answer():
     """Primitives are shared and each thread brings its own scratchpad: products of two threads,
     interleaved, match the same products run alone."""
@@ -86,6 +92,7 @@ def test_calls_from_two_threads_at_once_each_get_their_own_answer():
 
 
 @needs_onednn
+@needs_onednn_bf16
 def test_unsupported_inputs_say_why():
     w = onednn.onednn_pack(jnp.zeros((64, 16), jnp.bfloat16))
     for x in (jnp.zeros((4, 32), jnp.bfloat16), jnp.zeros((4, 64), jnp.float32), jnp.zeros((2, 4, 64), jnp.bfloat16)):
@@ -102,6 +109,7 @@ def _onednn_calls(fn, *args) -> int:
 
 
 @needs_onednn
+@needs_onednn_bf16
 def test_the_chosen_weights_are_packed_and_their_products_go_to_onednn():
     """``onednn_dtypes`` and ``onednn_min_weight_bytes`` decide which layer leaves and which head are
     packed (an untied head, never a tied embedding: the lookup reads it too); packed products go to
