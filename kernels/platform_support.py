@@ -214,8 +214,9 @@ def _onednn_faster() -> tuple[tuple[str, ...], int, tuple[str, ...]]:
 def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tuple[MatmulKernels, str]:
     """(where the model's products run, why) for the engine option ``cpu_matmul``: ``"auto"``
     takes :func:`capabilities`' choice, ``"xla"`` keeps every multi-row product on XLA's dot with
-    the weights as the model holds them (the plain baseline for A/B runs), ``"onednn"`` packs every bf16 and float32 weight of the linear layers for oneDNN (an error
-    where it is unavailable). The one place the choice is made."""
+    the weights as the model holds them (the plain baseline for A/B runs), ``"onednn"`` packs every
+    weight of the linear layers in a dtype oneDNN has a matmul for here (float32; bf16 with
+    AVX-512) for oneDNN (an error where it is unavailable). The one place the choice is made."""
     if cpu_matmul not in CPU_MATMUL_CHOICES:
         raise ValueError(f"cpu_matmul: invalid value {cpu_matmul!r}; valid: {CPU_MATMUL_CHOICES}")
     caps = capabilities(platform)
@@ -232,7 +233,8 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         if caps.device_count != 1:
             raise ValueError(f"cpu_matmul='onednn' runs on one CPU device, not {caps.device_count}; valid here: "
                              f"'auto' or 'xla'")
-        return dataclasses.replace(chosen, onednn_dtypes=("float32", "bfloat16"), onednn_min_weight_bytes=0,
+        dtypes = tuple(d for d in ("float32", "bfloat16") if onednn.has_matmul(d))  # bf16 needs AVX-512
+        return dataclasses.replace(chosen, onednn_dtypes=dtypes, onednn_min_weight_bytes=0,
                                    onednn_weight_only=("bfloat16",) if "avx512_bf16" in native.cpu_features() else ()), \
             "asked for"
     if chosen.onednn_dtypes:

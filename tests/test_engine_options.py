@@ -78,6 +78,17 @@ def test_cpu_matmul_onednn_where_it_cannot_run_is_refused_before_loading(tiny_ch
         LLM(tiny_checkpoints["qwen2"], **dict(TINY_ENGINE, cpu_matmul="onednn"))
 
 
+def test_cpu_matmul_onednn_for_a_dtype_it_lacks_is_refused_before_loading(tiny_checkpoints, no_loading, monkeypatch):
+    """A CPU with AVX2 alone has oneDNN's float32 matmul but not its bf16 one."""
+    from jaxrunner.kernels import onednn, platform_support
+
+    monkeypatch.setattr(platform_support, "onednn_unavailable", lambda platform="cpu": None)
+    monkeypatch.setattr(onednn, "has_matmul", lambda dtype: dtype == "float32")
+    with pytest.raises(ValueError, match=r"cpu_matmul='onednn': oneDNN has no bfloat16 matmul on this CPU .*valid "
+                                         r"here: cpu_matmul 'auto' or 'xla', or dtype in \['float32'\]"):
+        LLM(tiny_checkpoints["qwen2"], **dict(TINY_ENGINE, dtype="bfloat16", cpu_matmul="onednn"))
+
+
 @pytest.mark.parametrize("field", ["num_pages", "kv_cache_memory_bytes"])
 def test_kv_pool_larger_than_memory_is_refused_with_numbers_before_loading(tiny_checkpoints, no_loading, field):
     from jaxrunner.runner.memory import available_host_bytes

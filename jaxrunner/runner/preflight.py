@@ -30,11 +30,11 @@ def check_before_loading(config: EngineConfig) -> None:
     this model on this machine."""
     distributed.initialize_from_env()  # before any device is touched; a no-op unless configured
     meshes.check_device_count(config.tensor_parallel_size, config.data_parallel_size)
-    if config.cpu_matmul != "auto":  # oneDNN missing here, or several devices: refused before any weight is read
-        choose_matmuls(config, jax.local_devices()[0].platform)
     draft = _peek_draft(config)  # first: the target's GGUF, parsed last, stays cached for its load
     peek = peek_model(config.model)
     cfg = peek.config
+    if config.cpu_matmul != "auto":  # oneDNN missing here, or several devices: refused before any weight is read
+        _check_cpu_matmul(config, peek.checkpoint_dtype)
     max_model_len, _ = resolve_max_model_len(config, cfg)
     meshes.check_tensor_parallel(cfg, config.tensor_parallel_size)
     if draft is not None:
@@ -50,6 +50,20 @@ def check_before_loading(config: EngineConfig) -> None:
     memory.check_pool_fits(budget, estimated_weights_bytes(cfg, dtype, config.quantization) // tp,
                            kv_bytes_per_page(cfg, config.page_size, kv_dtype) // tp,
                            config.num_pages, config.kv_cache_memory_bytes)
+
+
+def _check_cpu_matmul(config: EngineConfig, checkpoint_dtype: str) -> None:
+    """``cpu_matmul`` resolves here, and ``"onednn"`` has a matmul for the model's compute dtype:
+    oneDNN's bf16 kernels need AVX-512, so a CPU with AVX2 alone packs float32 only."""
+    platform = jax.local_devices()[0].platform
+    matmuls, _ = choose_matmuls(config, platform)
+    if config.cpu_matmul != "onednn" or platform != "cpu":
+        return
+    dtype, _ = choose_dtype(config.dtype, checkpoint_dtype, platform)
+    if dtype not in matmuls.onednn_dtypes:
+        raise ValueError(f"EngineConfig.cpu_matmul='onednn': oneDNN has no {dtype} matmul on this CPU (its bf16 "
+                         f"kernels need AVX-512); valid here: cpu_matmul 'auto' or 'xla', or dtype in "
+                         f"{list(matmuls.onednn_dtypes)}")
 
 
 def _peek_draft(config: EngineConfig) -> ModelConfig | None:
