@@ -5,29 +5,26 @@
 // On a CPU that runs each 512-bit instruction as two 256-bit halves (AMD Zen 4), that ran at about
 // half the memory's rate. vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes and adds them
 // in fours into sixteen int32 lanes: about three instructions per 32 weights here. AVX2 has no
-// vpdpbusd; vpmaddubsw (pairs of products into int16) then vpmaddwd (pairs of those into int32)
-// give the same sums in about half the instructions of the float form for int4, where the CPU
-// (AMD Zen 1 and 2 run each 256-bit instruction as two 128-bit halves) made that form
-// compute-bound too.
+// vpdpbusd, and where each 256-bit instruction runs as two 128-bit halves (AMD Zen 1 and 2) the
+// float form was compute-bound too; there the codes widen to 16 bits with shifts and masks, and
+// vpmaddwd multiplies them by x rounded to 16 bits, adding pairs into int32: the fewest
+// multiplies of the forms tried, and the same sums.
 //
 // What it computes: x is rounded, per run of 32 inputs, to 16-bit integers scaled to the run's
-// largest magnitude, x ~ dx * (kPlaneBase * hi + lo) with hi and lo int8 planes. The rounding error of an
-// input is at most max|x over its run| / 65024, a few hundred times finer than bfloat16
-// activations; the codes' products with the planes are summed exactly in int32, then scaled by
-// (weight scale * dx) in float32. Offsets (int4) multiply the exact float sums of x. With VNNI,
-// int8 codes are read biased to unsigned (q + 128) and the bias's products are subtracted
-// exactly. AVX2's vpmaddubsw sums its pairs in int16, where a biased code times a plane could
-// overflow: there an int8 code enters as |q| against the planes with their signs flipped where
-// q < 0 (vpsignb), at most 2 * 128 * 127 per pair, which needs planes in [-127, 127]; so AVX2's
-// planes are base 255 (lo in [-127, 127]), VNNI's base 256. A 4-bit code never comes near
-// (2 * 15 * 128 per pair).
+// largest magnitude (at most kX16Max). The rounding error of an input is at most
+// max|x over its run| / 65024, a few hundred times finer than bfloat16 activations; the codes'
+// products with them are summed exactly in int32, then scaled by (weight scale * dx) in float32.
+// Offsets (int4) multiply the exact float sums of x. VNNI splits the integers into int8 planes,
+// x ~ dx * (256 * hi + lo), and reads int8 codes biased to unsigned (q + 128), subtracting the
+// bias's products exactly. AVX2 keeps the integers as int16 words and widens int8 codes with
+// their signs.
 //
 // Layouts: an int4 run is 16 bytes (GGUF order: low nibbles are inputs 0..15, high nibbles
-// 16..31), so one 64-byte block holds 4 runs and int32 lane j belongs to run j / 4; x's planes
-// for a block are [hi of inputs 0..15 of each run, lo of those, hi of inputs 16..31, lo of those].
-// An int8 run is 32 bytes, a block holds 2 runs, lane j belongs to run j / 8, and the planes are
-// [hi, lo] in input order. AVX2 reads a block as two halves of 2 runs each, the planes' matching
-// 32 bytes alike.
+// 16..31), so one 64-byte block holds 4 runs; an int8 run is 32 bytes, a block holds 2 runs.
+// VNNI: int32 lane j belongs to run j / 4 (int4) or j / 8 (int8); x's planes for an int4 block are
+// [hi of inputs 0..15 of each run, lo of those, hi of inputs 16..31, lo of those], for an int8
+// block [hi, lo] in input order. AVX2 reads a block as two halves of 32 bytes; x's words follow
+// the order the codes widen in (QuantizedX::StoreWords).
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -53,12 +50,10 @@
 namespace jaxrunner_cpu {
 
 constexpr int64_t kRunInputs = 32;
+constexpr float kX16Max = 32512.0f;  // the rounded inputs' largest magnitude: 256 * 127 + 0, in int16
 #if JAXRUNNER_QUANT_DOT_VNNI
-constexpr int32_t kPlaneBase = 256;  // lo in [-128, 127]
-#else
-constexpr int32_t kPlaneBase = 255;  // lo in [-127, 127], for vpsignb
+constexpr int32_t kPlaneBase = 256;  // x ~ dx * (kPlaneBase * hi + lo), lo in [-128, 127]
 #endif
-constexpr float kX16Max = 32512.0f;  // |kPlaneBase * hi + lo| with hi in [-127, 127], either base
 
 // The quantized weight of one product, as quant_matmul.cc describes it.
 struct QuantWeights {
@@ -73,20 +68,22 @@ struct QuantWeights {
   }
 };
 
-// x [rows, k] as int8 planes per block, with per-run dx, float sums, and the int8 bias term.
+// x [rows, k] rounded to 16-bit integers per run (int8 planes with VNNI, int16 words with AVX2),
+// 256 bytes per block, with per-run dx, float sums, and VNNI's int8 bias term.
 class QuantizedX {
  public:
   QuantizedX(const float* x, int64_t rows, int64_t k, bool int4)
       : runs_(k / kRunInputs), chunks_((runs_ + 15) / 16), int4_(int4),
         runs_per_block_(int4 ? 4 : 2), blocks_((runs_ + runs_per_block_ - 1) / runs_per_block_),
-        planes_(rows * blocks_ * 256, 0), dx_(rows * chunks_ * 16, 0.0f), sum_(dx_.size(), 0.0f),
+        data_(rows * blocks_ * 256, 0), dx_(rows * chunks_ * 16, 0.0f), sum_(dx_.size(), 0.0f),
         bias_(dx_.size(), 0.0f) {
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t r = 0; r < runs_; ++r) QuantizeRun(x + m * k + r * kRunInputs, m, r);
   }
 
   int64_t runs() const { return runs_; }
-  const int8_t* Planes(int64_t m, int64_t block) const { return planes_.data() + (m * blocks_ + block) * 256; }
+  const int8_t* Planes(int64_t m, int64_t block) const { return data_.data() + (m * blocks_ + block) * 256; }
+  const int16_t* Words(int64_t m, int64_t block) const { return reinterpret_cast<const int16_t*>(Planes(m, block)); }
   // Row m's per-run values, padded with zeros to a multiple of 16 runs.
   const float* Dx(int64_t m) const { return dx_.data() + m * chunks_ * 16; }
   const float* Sum(int64_t m) const { return sum_.data() + m * chunks_ * 16; }
@@ -103,8 +100,17 @@ class QuantizedX {
     int32_t total = 0;
     for (int i = 0; i < kRunInputs; ++i) total += v[i];
     bias_[slot] = -128.0f * float(total);
-    int8_t* planes = planes_.data() + (m * blocks_ + r / runs_per_block_) * 256;
-    const int64_t j = r % runs_per_block_;
+    int8_t* block = data_.data() + (m * blocks_ + r / runs_per_block_) * 256;
+#if JAXRUNNER_QUANT_DOT_VNNI
+    StorePlanes(v, r % runs_per_block_, block);
+#else
+    StoreWords(v, r % runs_per_block_, reinterpret_cast<int16_t*>(block));
+#endif
+  }
+
+#if JAXRUNNER_QUANT_DOT_VNNI
+  // Run j of a block as int8 planes, v = kPlaneBase * hi + lo.
+  void StorePlanes(const int32_t* v, int64_t j, int8_t* planes) const {
     if (int4_) {  // inputs 0..15 -> planes 0 and 1, inputs 16..31 -> planes 2 and 3, at 16 * j
       Split(v, planes + 16 * j, planes + 64 + 16 * j);
       Split(v + 16, planes + 128 + 16 * j, planes + 192 + 16 * j);
@@ -113,6 +119,35 @@ class QuantizedX {
       Split(v + 16, planes + 32 * j + 16, planes + 64 + 32 * j + 16);
     }
   }
+
+  // 16 values v = kPlaneBase * hi + lo, hi = floor((v + kPlaneBase / 2) / kPlaneBase).
+  static void Split(const int32_t* v, int8_t* hi_out, int8_t* lo_out) {
+    for (int i = 0; i < 16; ++i) {
+      const int32_t shifted = v[i] + kPlaneBase / 2;
+      const int32_t hi = (shifted >= 0 ? shifted : shifted - (kPlaneBase - 1)) / kPlaneBase;
+      hi_out[i] = int8_t(hi);
+      lo_out[i] = int8_t(v[i] - kPlaneBase * hi);
+    }
+  }
+#else
+  // Run j of a block as int16 words in the order AVX2 widens the codes (see PairDot, RunDotInt8):
+  // int4, runs 2p and 2p + 1 share 4 vectors at 64 p, the first run's half of each at 0, the
+  // second's at 8, and word w of vector t is input 2w, 16 + 2w, 2w + 1 or 17 + 2w; int8, run j is
+  // 2 vectors at 32 j, the even inputs then the odd ones.
+  void StoreWords(const int32_t* v, int64_t j, int16_t* block) const {
+    if (int4_) {
+      constexpr int kFirst[4] = {0, 16, 1, 17};
+      int16_t* pair = block + 64 * (j / 2) + 8 * (j % 2);
+      for (int t = 0; t < 4; ++t)
+        for (int w = 0; w < 8; ++w) pair[16 * t + w] = int16_t(v[kFirst[t] + 2 * w]);
+    } else {
+      for (int w = 0; w < 16; ++w) {
+        block[32 * j + w] = int16_t(v[2 * w]);
+        block[32 * j + 16 + w] = int16_t(v[2 * w + 1]);
+      }
+    }
+  }
+#endif
 
   // The 32 inputs at x rounded to integers scaled to their largest magnitude (to nearest even),
   // with that magnitude and their float sum.
@@ -144,20 +179,10 @@ class QuantizedX {
 #endif
   }
 
-  // 16 values v = kPlaneBase * hi + lo, hi = floor((v + kPlaneBase / 2) / kPlaneBase).
-  static void Split(const int32_t* v, int8_t* hi_out, int8_t* lo_out) {
-    for (int i = 0; i < 16; ++i) {
-      const int32_t shifted = v[i] + kPlaneBase / 2;
-      const int32_t hi = (shifted >= 0 ? shifted : shifted - (kPlaneBase - 1)) / kPlaneBase;
-      hi_out[i] = int8_t(hi);
-      lo_out[i] = int8_t(v[i] - kPlaneBase * hi);
-    }
-  }
-
   int64_t runs_, chunks_;
   bool int4_;
   int64_t runs_per_block_, blocks_;
-  std::vector<int8_t> planes_;           // [rows, blocks, 4 (int4) or 2 used of 4, 64]
+  std::vector<int8_t> data_;            // [rows, blocks, 256 bytes]: planes or words
   std::vector<float> dx_, sum_, bias_;  // [rows, chunks * 16]
 };
 
@@ -286,28 +311,28 @@ inline __m256 RunValues(const QuantWeights& w, const void* values, int64_t n, in
   return _mm256_load_ps(lanes);
 }
 
-// The int32 sums of two int4 runs' codes (32 bytes) with row m's matching planes (the 32 bytes at
-// `planes` of each of the block's four planes), four products per lane: lanes 0..3 the first run,
-// 4..7 the second. A pair of products is at most 2 * 15 * 128 and two pairs at most 7680, so the
-// int16 sums never saturate.
-inline __m256i PairDot(__m256i codes, const int8_t* planes) {
-  const __m256i nibble = _mm256_set1_epi8(15);
-  const __m256i low = _mm256_and_si256(codes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
-  const auto plane = [planes](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + 64 * i)); };
-  const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(low, plane(0)), _mm256_maddubs_epi16(high, plane(2)));
-  const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(low, plane(1)), _mm256_maddubs_epi16(high, plane(3)));
-  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(kPlaneBase)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+// The int32 sums of two int4 runs' codes (32 bytes) with row m's matching words (the pair's 4
+// vectors at `words`), four products per lane: lanes 0..3 the first run, 4..7 the second. The
+// codes widen to 16 bits in place (a 16-bit lane holds inputs 2w and 2w + 1 in its low and high
+// bytes' low nibbles, 16 + 2w and 17 + 2w in their high nibbles) and vpmaddwd multiplies them by
+// x's words: exact, at most 4 * 2 * 15 * 32512 per lane.
+inline __m256i PairDot(__m256i codes, const int16_t* words) {
+  const __m256i nibble = _mm256_set1_epi16(15);
+  const auto x = [words](int t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * t)); };
+  const __m256i a = _mm256_madd_epi16(_mm256_and_si256(codes, nibble), x(0));
+  const __m256i b = _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble), x(1));
+  const __m256i c = _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(codes, 8), nibble), x(2));
+  const __m256i d = _mm256_madd_epi16(_mm256_srli_epi16(codes, 12), x(3));
+  return _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
 }
 
-// The int32 sums of one int8 run's codes (32 bytes) with row m's planes (hi at `planes`, lo 64
-// bytes on), four products per lane, all lanes the one run: |q| against the planes' bytes with
-// q's sign.
-inline __m256i RunDotInt8(__m256i codes, const int8_t* planes) {
-  const auto plane = [planes](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + 64 * i)); };
-  const __m256i magnitude = _mm256_abs_epi8(codes);
-  const __m256i hi = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(plane(0), codes));
-  const __m256i lo = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(plane(1), codes));
-  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(kPlaneBase)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+// The int32 sums of one int8 run's codes (32 bytes) with row m's words (the even inputs at
+// `words`, the odd ones 16 on), four products per lane, all lanes the one run: the codes widen
+// to 16 bits with their signs by shifts.
+inline __m256i RunDotInt8(__m256i codes, const int16_t* words) {
+  const auto x = [words](int t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * t)); };
+  const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(codes, 8), 8), odd = _mm256_srai_epi16(codes, 8);
+  return _mm256_add_epi32(_mm256_madd_epi16(even, x(0)), _mm256_madd_epi16(odd, x(1)));
 }
 
 inline float SumLanes(__m256 v) {
@@ -329,7 +354,7 @@ inline __m256 AddRuns(const uint8_t* codes, const QuantizedX& x, int m, int64_t 
       const uint8_t* at = codes + run * 16;
       const __m256i v = count - r >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
                                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-      const __m256 dot = _mm256_cvtepi32_ps(PairDot(v, x.Planes(m, run / 4) + 32 * (run % 4 / 2)));
+      const __m256 dot = _mm256_cvtepi32_ps(PairDot(v, x.Words(m, run / 4) + 64 * (run % 4 / 2)));
       const __m256i lanes = _mm256_add_epi32(lane_run, _mm256_set1_epi32(int32_t(r)));
       acc = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx, lanes), acc);
     }
@@ -337,7 +362,7 @@ inline __m256 AddRuns(const uint8_t* codes, const QuantizedX& x, int m, int64_t 
     for (int64_t r = 0; r < count; ++r) {
       const int64_t run = first + r;
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + run * 32));
-      const __m256 dot = _mm256_cvtepi32_ps(RunDotInt8(v, x.Planes(m, run / 2) + 32 * (run % 2)));
+      const __m256 dot = _mm256_cvtepi32_ps(RunDotInt8(v, x.Words(m, run / 2) + 32 * (run % 2)));
       acc = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx, _mm256_set1_epi32(int32_t(r))), acc);
     }
   }
