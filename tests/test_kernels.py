@@ -171,6 +171,20 @@ def test_native_head_sizes(head_dim):
     check(run("native", case, sm_scale=0.1), case, "float32", sm_scale=0.1)
 
 
+@pytest.mark.parametrize("kv_len", [127, 128, 301])
+@pytest.mark.parametrize("attn", [{}, dict(sliding_window=200, soft_cap=4.0), dict(sliding_window=100)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_lone_decode_split_over_its_keys(kv_len, attn, dtype):
+    """A batch of one decode row: from 128 keys the native kernel splits them in two parts on two
+    threads and merges the parts' softmax sums; fewer keys (or a window of fewer) stay whole."""
+    if not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(kv_len)
+    case = make_case(rng, [1], [kv_len], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16,
+                     num_tokens=2, max_seqs=2, dtype=dtype, scale=2.0)
+    check(_jit_native(tuple(sorted(attn.items())))(*case.args()), case, dtype, sm_scale=0.3, **attn)
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("group,page_size,head_dim", [(3, 16, 64), (8, 8, 128), (1, 32, 64)])
 def test_pallas_gqa_and_pages(impl, group, page_size, head_dim):

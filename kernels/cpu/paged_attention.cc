@@ -17,7 +17,9 @@
 // for all keys the tile needs come first (four keys per shuffle-and-add tree), then an exact
 // softmax per row (vectorised exp), then P @ V over tiles of V rows held in L1 with the
 // accumulators in registers. Items, most expensive first, are spread over XLA's intra-op thread
-// pool; the calling thread works too, so nothing waits on a task that never gets a thread.
+// pool; the calling thread works too, so nothing waits on a task that never gets a thread. A lone
+// decode row (batch 1) splits its keys in two parts instead, merged by their softmax sums
+// (RunSplit): one item would keep one core idle.
 //
 // Measured (2-core AMD EPYC, AVX-512, SmolLM2 heads 9/3 x 64, page 16, f32, min of 40; XLA path
 // in brackets): 64 decodes of kv 150..400 2.0 ms [5.5]; 4 prefills of 256 tokens 3.2 ms [13];
@@ -32,6 +34,7 @@
 #include <memory>
 #include <vector>
 
+#include "helper_thread.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -78,6 +81,13 @@ struct Problem {
 struct Item {
   int32_t seq, row0, rows;
   int64_t cost;         // rows * keys, for ordering
+  int64_t part_lo = 0, part_hi = std::numeric_limits<int64_t>::max();  // keys of a part (SplitKeys)
+};
+
+// A part's unnormalised result for its keys: acc = sum of exp(s - max) v, total = sum of
+// exp(s - max), per query vector.
+struct Partial {
+  std::vector<float> acc, max, total;  // [n, D], [n], [n]
 };
 
 // Key range [lo, hi) a tile of rows starting at position pos0 needs.
@@ -95,6 +105,7 @@ struct Scratch {
   std::vector<float> scores; // [n, keys]: scores, then probabilities
   std::vector<int64_t> first, last;  // per query vector: its keys [first, last) relative to lo
   std::vector<float> inv_sum;
+  std::vector<float> max, total;  // per query vector: the largest score, the sum of exp(s - max)
   std::vector<int64_t> row_offset;  // [keys] where each K/V row sits in a pool
 };
 
@@ -109,7 +120,7 @@ class Attention {
   // All kv heads of one tile of query rows: every page is then read as one contiguous block
   // (page_size x Hkv x D), which the hardware prefetcher streams; per-head items read
   // 256-byte pieces at a stride and measured slower.
-  void Run(const Item& it, Scratch& sc) const {
+  void Run(const Item& it, Scratch& sc, Partial* partial = nullptr) const {
     const int64_t n = int64_t(it.rows) * p_.num_q_heads, chunks = Chunks();
     const int64_t q_start = p_.cu[it.seq];
     const int64_t q_len = p_.cu[it.seq + 1] - q_start;
@@ -117,6 +128,8 @@ class Attention {
     const int64_t pos0 = kv - q_len + it.row0;
     int64_t lo, hi;
     KeyRange(p_, kv, pos0, it.rows, &lo, &hi);
+    lo = std::max(lo, it.part_lo);
+    hi = std::min(hi, it.part_hi);
     const int64_t keys = std::max<int64_t>(hi - lo, 0);
     sc.q.resize(n * chunks);
     sc.acc.assign(n * chunks, F16{});
@@ -125,6 +138,8 @@ class Attention {
     sc.first.resize(n);
     sc.last.resize(n);
     sc.inv_sum.assign(n, 0.0f);
+    sc.max.assign(n, -std::numeric_limits<float>::infinity());
+    sc.total.assign(n, 0.0f);
     LoadQueries(it, q_start, sc.q.data());
     Ranges(it, pos0, lo, hi, sc);
     if (keys > 0) {
@@ -133,7 +148,28 @@ class Attention {
       Softmax(n, keys, sc);
       Values(it, lo, hi, sc);
     }
+    if (partial != nullptr) return KeepPartial(n, sc, partial);
     Store(it, q_start, sc);
+  }
+
+  // The item's rows (one) and key parts (SplitKeys) combined into out: each part's sums scaled
+  // by exp(its max - the largest max), then normalised. A row with no keys in any part is zeros.
+  void MergeParts(const Item& it, const std::vector<Partial>& parts) const {
+    const int64_t D = p_.head_dim, n = int64_t(it.rows) * p_.num_q_heads, width = p_.num_q_heads * D;
+    QT* dst = out_ + (p_.cu[it.seq] + it.row0) * width;
+    for (int64_t i = 0; i < n; ++i) {
+      float largest = -std::numeric_limits<float>::infinity(), total = 0.0f;
+      for (const Partial& part : parts) largest = std::max(largest, part.max[i]);
+      alignas(64) float row[kMaxHeadDim] = {};
+      for (const Partial& part : parts) {
+        if (part.total[i] == 0.0f) continue;
+        const float w = std::exp(part.max[i] - largest);
+        total += w * part.total[i];
+        for (int64_t d = 0; d < D; ++d) row[d] += w * part.acc[i * D + d];
+      }
+      const float scale = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t d = 0; d < D; ++d) FromF32(row[d] * scale, dst + i * D + d);
+    }
   }
 
  private:
@@ -269,6 +305,8 @@ class Attention {
         }
       }
       sc.inv_sum[i] = 1.0f / total;
+      sc.max[i] = m;
+      sc.total[i] = total;
     }
   }
 
@@ -314,6 +352,15 @@ class Attention {
     }
   }
 
+  void KeepPartial(int64_t n, const Scratch& sc, Partial* partial) const {
+    const int64_t D = p_.head_dim, chunks = Chunks();
+    partial->acc.resize(n * D);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < chunks; ++c) std::memcpy(&partial->acc[i * D + c * kLanes], &sc.acc[i * chunks + c], sizeof(F16));
+    partial->max = sc.max;
+    partial->total = sc.total;
+  }
+
   int64_t Chunks() const { return kChunks ? kChunks : chunks_; }
 
   Problem p_;
@@ -345,6 +392,44 @@ std::vector<Item> MakeItems(const Problem& p) {
   return items;
 }
 
+// A lone decode row (batch 1) is one item, which XLA's pool would run on one thread: with at
+// least kSplitKeys keys it runs as two key parts instead, on the calling thread and the
+// HelperThread (awake from the step's products), then merged.
+constexpr int64_t kSplitKeys = 128;
+
+template <typename Attn>
+struct SplitCall {
+  const Attn* attention;
+  std::vector<Item> parts;
+  mutable std::vector<Scratch> scratch;
+  mutable std::vector<Partial> partials;
+};
+
+template <typename Attn>
+void RunPart(const void* context, int64_t i) {
+  const auto& call = *static_cast<const SplitCall<Attn>*>(context);
+  call.attention->Run(call.parts[i], call.scratch[i], &call.partials[i]);
+}
+
+// Whether `items` is one decode row with enough keys to split; its key range then in lo, hi.
+bool SplitsKeys(const Problem& p, const std::vector<Item>& items, int64_t* lo, int64_t* hi) {
+  if (items.size() != 1 || items[0].rows != 1) return false;
+  const Item& it = items[0];
+  const int64_t q_len = p.cu[it.seq + 1] - p.cu[it.seq];
+  const int64_t kv = std::clamp<int64_t>(p.kv_lens[it.seq], 0, p.width * p.page_size);
+  KeyRange(p, kv, kv - q_len + it.row0, 1, lo, hi);
+  return *hi - *lo >= kSplitKeys;
+}
+
+template <typename Attn>
+void RunSplit(const Attn& attention, const Item& item, int64_t lo, int64_t hi) {
+  SplitCall<Attn> call{&attention, {item, item}, std::vector<Scratch>(2), std::vector<Partial>(2)};
+  const int64_t middle = lo + (hi - lo) / 2;
+  call.parts[0].part_hi = call.parts[1].part_lo = middle;
+  HelperThread::Run(RunPart<Attn>, &call, 2);
+  attention.MergeParts(item, call.partials);
+}
+
 template <typename QT, typename KT, int kChunks>
 void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
             void* out) {
@@ -355,6 +440,8 @@ void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* 
   auto items = std::make_shared<std::vector<Item>>(MakeItems(p));
   Attention<QT, KT, kChunks> attention(p, static_cast<const QT*>(q), static_cast<const KT*>(k),
                               static_cast<const KT*>(v), o);
+  int64_t lo, hi;
+  if (SplitsKeys(p, *items, &lo, &hi)) return RunSplit(attention, items->front(), lo, hi);
   jaxrunner_cpu::RunItems<Scratch>(pool, int64_t(items->size()), [items, attention](int64_t i, Scratch& scratch) {
     attention.Run((*items)[i], scratch);
   });
