@@ -356,7 +356,8 @@ class Attention {
     const int64_t D = p_.head_dim, chunks = Chunks();
     partial->acc.resize(n * D);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < chunks; ++c) std::memcpy(&partial->acc[i * D + c * kLanes], &sc.acc[i * chunks + c], sizeof(F16));
+      for (int64_t c = 0; c < chunks; ++c)
+        std::memcpy(&partial->acc[i * D + c * kLanes], &sc.acc[i * chunks + c], sizeof(F16));
     partial->max = sc.max;
     partial->total = sc.total;
   }

@@ -97,11 +97,11 @@ class QuantizedX {
     const int64_t slot = m * chunks_ * 16 + r;
     dx_[slot] = peak > 0.0f ? peak / kX16Max : 1.0f;
     sum_[slot] = sum;
+    int8_t* block = data_.data() + (m * blocks_ + r / runs_per_block_) * 256;
+#if JAXRUNNER_QUANT_DOT_VNNI
     int32_t total = 0;
     for (int i = 0; i < kRunInputs; ++i) total += v[i];
     bias_[slot] = -128.0f * float(total);
-    int8_t* block = data_.data() + (m * blocks_ + r / runs_per_block_) * 256;
-#if JAXRUNNER_QUANT_DOT_VNNI
     StorePlanes(v, r % runs_per_block_, block);
 #else
     StoreWords(v, r % runs_per_block_, reinterpret_cast<int16_t*>(block));
@@ -183,7 +183,7 @@ class QuantizedX {
   bool int4_;
   int64_t runs_per_block_, blocks_;
   std::vector<int8_t> data_;            // [rows, blocks, 256 bytes]: planes or words
-  std::vector<float> dx_, sum_, bias_;  // [rows, chunks * 16]
+  std::vector<float> dx_, sum_, bias_;  // [rows, chunks * 16]; bias_ zeros on AVX2, which reads none
 };
 
 // Asks for output n's codes and scales a few kilobytes before they are read. Without it the
