@@ -93,30 +93,41 @@ def _forward(architecture, params, token_ids, positions, kv_cache, meta, attenti
 _SHARED_STEPS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
-def jitted_step(architecture, attention, shardings=None, max_loras: int = 0):
-    """``model_step`` jitted with the cache donated (and, on a mesh, the declared ``(params, cache,
-    replicated)`` shardings), one per distinct argument set, shared by the runners alive in the process.
+def flat_params_step(param_leaves, kv_cache, batch, feed, *, param_tree, **options):
+    """``model_step`` over params passed as their leaves in ``param_tree``'s order.
+
+    A jitted call flattens its arguments on every call, and the params are hundreds of leaves in
+    nested dicts whose keys it sorts each time: passed as one flat tuple they cost the host a
+    fraction of that per step, and the tree is rebuilt at trace time, for free."""
+    return model_step(jax.tree.unflatten(param_tree, param_leaves), kv_cache, batch, feed, **options)
+
+
+def jitted_step(architecture, attention, param_tree, shardings=None, max_loras: int = 0):
+    """``flat_params_step`` jitted with the cache donated (and, on a mesh, the declared ``(param
+    leaves, cache, replicated)`` shardings), one per distinct argument set, shared by the runners
+    alive in the process.
 
     JAX caches traces, lowerings and executables on the jitted function, so a second engine whose
     options do not change any shape (seed, prefix caching, async scheduling, sampling defaults)
     reuses them all and compiles nothing while the first is alive; once every runner holding the
     function is gone, so are its executables. Arguments that cannot be hashed (a user's
     architecture object) get a function of their own."""
-    key = (architecture, attention, max_loras,
+    key = (architecture, attention, param_tree, max_loras,
            None if shardings is None else jax.tree.flatten(shardings, is_leaf=lambda x: x is None))
     try:
         hash(key)
     except TypeError:
-        return _jit_step(architecture, attention, shardings, max_loras)
+        return _jit_step(architecture, attention, param_tree, shardings, max_loras)
     step = _SHARED_STEPS.get(key)
     if step is None:
-        step = _jit_step(architecture, attention, shardings, max_loras)
+        step = _jit_step(architecture, attention, param_tree, shardings, max_loras)
         _SHARED_STEPS[key] = step
     return step
 
 
-def _jit_step(architecture, attention, shardings, max_loras: int):
-    step = functools.partial(model_step, architecture=architecture, attention=attention, max_loras=max_loras)
+def _jit_step(architecture, attention, param_tree, shardings, max_loras: int):
+    step = functools.partial(flat_params_step, param_tree=param_tree, architecture=architecture,
+                             attention=attention, max_loras=max_loras)
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
     params, cache, replicated = shardings
@@ -208,17 +219,19 @@ class ModelRunner:
         own_architecture = architecture is None
         architecture = architecture if architecture is not None else registry.architecture_for(cfg, self.matmuls)
         max_loras = 0 if lora_spec is None else lora_spec.max_loras
-        if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost
-            self._jitted_step = jitted_step(architecture, attention, max_loras=max_loras)  # compile time (~10%)
-        else:
-            step_params = param_shardings if lora_spec is None else lora.attach(param_shardings, slot_shardings)
-            self._jitted_step = jitted_step(architecture, attention, (step_params, cache_shardings,
-                                                                      self.batch_sharding), max_loras)
-        self._executables: dict = {}
         # the family's linear weights, packed for oneDNN where `matmuls` says (a family's own
         # architecture reads its params its own way: nothing is packed for it)
         self._packed_leaves = registry.family_for_config(cfg).quantized_leaves if own_architecture else ()
+        self._param_tree = None  # the step's params tree: set by the first params
         self.params = self._for_step(jax.device_put(params, param_shardings))  # put: a no-op when in place
+        if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost compile time
+            self._jitted_step = jitted_step(architecture, attention, self._param_tree, max_loras=max_loras)
+        else:
+            step_shardings = param_shardings if lora_spec is None else lora.attach(param_shardings, slot_shardings)
+            leaf_shardings = tuple(self._param_tree.flatten_up_to(step_shardings))
+            self._jitted_step = jitted_step(architecture, attention, self._param_tree,
+                                            (leaf_shardings, cache_shardings, self.batch_sharding), max_loras)
+        self._executables: dict = {}
         self.kv_cache = cache_spec.allocate(pool, attention_impl)
         self.feed = jax.device_put(np.zeros(max_seqs_per_step, np.int32), self.batch_sharding)
 
@@ -315,14 +328,31 @@ class ModelRunner:
         return sampled
 
     @property
-    def step_params(self):
-        """What the step reads: the params, with the adapter slots attached when there are some."""
-        return self.params if self.lora_slots is None else lora.attach(self.params, self.lora_slots)
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, params) -> None:
+        self._set_step_params(params, self.lora_slots)
+
+    def _set_step_params(self, params, lora_slots) -> None:
+        """Hold ``params`` and ``lora_slots`` and the leaves the step reads (:attr:`step_params`);
+        a tree other than the one the step was built for is refused and changes nothing."""
+        leaves, tree = jax.tree.flatten(params if lora_slots is None else lora.attach(params, lora_slots))
+        if self._param_tree is not None and tree != self._param_tree:
+            raise ValueError(f"params: the step was built for the tree {self._param_tree}, got {tree}")
+        self._params, self.lora_slots, self._param_tree, self._step_leaves = params, lora_slots, tree, tuple(leaves)
+
+    @property
+    def step_params(self) -> tuple:
+        """The leaves of the params, with the adapter slots attached when there are some, as the
+        jitted step takes them (``flat_params_step``): flattened once per change, not per step."""
+        return self._step_leaves
 
     def write_lora_slot(self, slot: int, adapter_layers: list) -> None:
         """Put an adapter (``models.loading.peft.Adapter.layers``) into ``slot`` (1-based); the
         steps dispatched from now on read it, one in flight keeps the slots it was given."""
-        self.lora_slots = self._write_slot(self.lora_slots, np.int32(slot), adapter_layers)
+        self._set_step_params(self._params, self._write_slot(self.lora_slots, np.int32(slot), adapter_layers))
 
     @staticmethod
     def fetch(sampled, prompt_logprobs: bool = True) -> dict[str, np.ndarray]:
