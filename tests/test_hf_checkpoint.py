@@ -81,3 +81,21 @@ def test_damaged_safetensors_name_the_file(sharded_bf16, tmp_path, damage):
         (dst / victim).unlink()
     with pytest.raises(CheckpointFormatError, match=victim):
         load_model(str(dst), progress=False)
+
+
+def test_bf16_tensors_stay_bf16_on_the_host_and_load_exactly(sharded_bf16):
+    """Half-precision tensors are regrouped on the host as stored and cast on the device: served as
+    bfloat16 the params are the stored values, as float32 (above) their exact widening."""
+    from jaxrunner.models.params import take
+
+    state, ref = open_hf_state_dict(sharded_bf16), _torch_state(sharded_bf16)
+    norm = ref["model.norm.weight"]
+    assert take(state, "model.norm.weight", norm.shape, sharded_bf16).dtype.name == "bfloat16"
+    model = load_model(sharded_bf16, dtype="bfloat16", progress=False)
+    layer = model.params["layers"][1]
+    assert layer["w_down"].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(model.params["final_norm"]).astype(np.float32), norm)
+    np.testing.assert_array_equal(np.asarray(layer["w_down"]).astype(np.float32),
+                                  ref["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(layer["wo"]).astype(np.float32),
+                                  ref["model.layers.1.self_attn.o_proj.weight"].T)

@@ -34,13 +34,20 @@ class CheckpointError(ValueError):
     """A checkpoint is missing tensors or holds tensors of the wrong shape."""
 
 
+# Half-precision floats a checkpoint stores that stay as they are on the host: the families only
+# regroup, stack and transpose a layer's tensors there, and the device casts them (``cast_params``),
+# where widening is cheap; numpy widens bfloat16 element by element, and it doubles the bytes moved.
+_KEPT_ON_HOST = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
 def take(state: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+    """Tensor ``name`` of ``shape``: bfloat16 and float16 as stored, anything else as float32."""
     if name not in state:
         raise CheckpointError(f"{source}: tensor {name!r} is missing")
     array = np.asarray(state[name])
     if tuple(array.shape) != shape:
         raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
-    return array.astype(np.float32, copy=False)
+    return array if array.dtype in _KEPT_ON_HOST else array.astype(np.float32, copy=False)
 
 
 def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -56,7 +63,7 @@ def group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, cfg: ModelConfig) -> 
 def host_params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig,
                                 source: str = "checkpoint") -> dict:
     """The params pytree as float32 host (numpy) arrays, from an HF-named state dict."""
-    return build_params(state, cfg, lambda piece: piece, source)
+    return build_params(state, cfg, lambda piece: jax.tree.map(lambda x: x.astype(np.float32), piece), source)
 
 
 def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig, dtype="float32",
@@ -71,8 +78,8 @@ def build_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, sourc
     """The params pytree of ``cfg``'s family, each piece (the embedding, a layer, ...) handed to
     ``place(piece)`` as soon as it is built on the host, before the next is read.
 
-    With ``place`` putting pieces on devices, host memory holds one layer's float32 copy, not the
-    model's; with a lazy ``state`` (a GGUF's ``DequantizedTensors``, safetensors'
+    With ``place`` putting pieces on devices, host memory holds one layer's copy (float32, or the
+    checkpoint's bfloat16/float16: :func:`take`), not the model's; with a lazy ``state`` (a GGUF's ``DequantizedTensors``, safetensors'
     ``SafetensorsTensors``) nothing else is resident. Top-level leaves arrive inside their one-key
     dict (``{"embed": array}``), so that ``place`` sees their names (sharding goes by name).
     """
