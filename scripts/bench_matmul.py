@@ -3,7 +3,9 @@
 weights packed once by ``kernels.onednn_pack``) on the products of a model's linear layers, in one
 process, alternating, on this CPU. With ``--quantization int4`` or ``int8``, weight-only leaves
 instead: XLA's dot after dequantizing in bf16, the native kernel (``quantized_matmul_native``) and
-oneDNN on tiles unpacked in cache (``onednn_quant_matmul``), each at every row count.
+oneDNN on tiles unpacked in cache (``onednn_quant_matmul``), each at every row count. With
+``--eigen``, float products also run XLA's dot compiled with YNNPACK's fusions off (Eigen's dot:
+the option applies to a whole executable, so it is measured per product here first).
 
 Each timed call chains the product over distinct weights (``--layers``, as a step walks the
 layers), so the weights come from memory as they do when serving, not from a warm cache. Prints a table and
@@ -15,6 +17,7 @@ unless ``--output-dir`` says elsewhere): the table in ``kernels/platform_support
     python scripts/bench_matmul.py --dtypes float32 --rows 16,64,256 --output-dir /tmp
     python scripts/bench_matmul.py --quantization int4 --dtypes bfloat16 --rows 4,8,16,32,64,256
     python scripts/bench_matmul.py --orientations --models smollm2   # XLA_WEIGHTS_NK: [K, N] vs [N, K]
+    python scripts/bench_matmul.py --eigen --dtypes float32 --rows 8,16,32,64   # YNNPACK vs Eigen
     XLA_FLAGS=--xla_cpu_use_onednn=true python scripts/bench_matmul.py   # XLA's own oneDNN flag on its side
 """
 from __future__ import annotations
@@ -35,6 +38,8 @@ from jaxrunner import kernels  # noqa: E402
 from jaxrunner.models import quant  # noqa: E402
 
 IMPLS = {False: ("xla", "onednn"), True: ("xla", "native", "onednn")}  # float weights; weight-only leaves
+EIGEN = "eigen"  # XLA's dot with YNNPACK's fusions off (--eigen)
+YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"  # XLA's option; empty: no YNNPACK fusions
 # (name, K, N, weight is [N, K]): the products of one layer and the LM head
 SHAPES = {
     "smollm2": [("qkv", 576, 960, False), ("o", 576, 576, False), ("gate_up", 576, 3072, False),
@@ -62,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each float product with its weight held both [K, N] and [N, K]")
     parser.add_argument("--quantization", choices=("int4", "int8"), default=None,
                         help="weight-only leaves (bf16 activations) instead of float weights")
+    parser.add_argument("--eigen", action="store_true",
+                        help="float products also on XLA's dot with YNNPACK's fusions off (Eigen's dot)")
     parser.add_argument("--output-dir", default=common.RESULTS_DIR, help="where the JSON files go")
     return parser
 
@@ -121,7 +128,15 @@ def contenders(k: int, n: int, transposed: bool, dtype, rows: int, args) -> tupl
         impls = ("xla", "native", "onednn")
         return x, {impl: chained_products(weight_only_product(impl)) for impl in impls}, dict.fromkeys(impls, leaves)
     fns = {impl: chained_products(float_product(transposed, impl)) for impl in ("xla", "onednn")}
-    return x, fns, {"xla": ws, "onednn": tuple(kernels.onednn_pack(w, transposed=transposed) for w in ws)}
+    weights = {"xla": ws, "onednn": tuple(kernels.onednn_pack(w, transposed=transposed) for w in ws)}
+    if args.eigen:
+        fns[EIGEN] = fns["xla"].lower(x, ws).compile(compiler_options={YNN_FUSION_OPTION: ""})
+        weights[EIGEN] = ws
+    return x, fns, weights
+
+
+def impls_of(args) -> tuple[str, ...]:
+    return IMPLS[bool(args.quantization)] + ((EIGEN,) if args.eigen and not args.quantization else ())
 
 
 def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows: int, args) -> dict:
@@ -140,6 +155,8 @@ def measure(model: str, name: str, k: int, n: int, transposed: bool, dtype, rows
         result[f"{impl}_us"] = statistics.median(values) * 1e6
         result[f"{impl}_gflops"] = flops / statistics.median(values) / 1e9
     result["onednn_speedup"] = result["xla_us"] / result["onednn_us"]
+    if EIGEN in times:
+        result["eigen_speedup"] = result["xla_us"] / result["eigen_us"]
     return result
 
 
@@ -156,10 +173,10 @@ def main(argv=None) -> int:
                 for name, k, n, transposed in shapes(model, args.orientations):
                     results.append(measure(model, name, k, n, transposed, jnp.dtype(dtype), rows, args))
                     r = results[-1]
-                    rates = ", ".join(f"{impl} {r[impl + '_gflops']:.0f}" for impl in IMPLS[bool(args.quantization)])
+                    rates = ", ".join(f"{impl} {r[impl + '_gflops']:.0f}" for impl in impls_of(args))
                     print(f"{model} {dtype} {name} rows {rows}: {rates} GFLOP/s ({r['onednn_speedup']:.2f}x)",
                           file=sys.stderr, flush=True)
-        impls = IMPLS[bool(args.quantization)]
+        impls = impls_of(args)
         table = [[r["model"], r["product"], r["rows"], *(f"{r[impl + '_gflops']:.0f}" for impl in impls),
                   f"{r['onednn_speedup']:.2f}"] for r in results]
         common.print_table(["model", "product", "rows", *(f"{impl} GFLOP/s" for impl in impls), "oneDNN / XLA"], table,
