@@ -19,6 +19,7 @@
 // bf16 x bf16 -> f32 dot; only the order of the additions differs (float32 likewise).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "helper_thread.h"
@@ -42,6 +43,11 @@ constexpr int64_t kRowsPerItem = 256;  // [N, K]: outputs of one work item
 // (min per call, three rounds): [1, 576] x [576, 576] 50-62 -> 33-40 us, x [576, 960] 86-103 -> 67-70.
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kNkPrefetchBytes = 16 << 10;  // [N, K]: bytes ahead of the rows being read
+// [N, K] float32 weights of this many inputs or more are left to the hardware prefetcher, which
+// streamed them faster alone (one row, 1B-model layer weights [N, 2048] and [2048, 8192]: 17.5-21
+// GB/s with the software prefetch, 20-25 without), while bf16 ones of 2048 inputs read faster with
+// it (12-13.5 -> 15-16.7 GB/s) and SmolLM2's head rows (576 inputs) were tuned with it.
+constexpr int64_t kNkUnprefetchedFloat32K = 1024;
 
 struct Problem {
   int64_t rows, k, n;
@@ -143,8 +149,9 @@ void OutputsNK(const Problem& p, int64_t n0, int64_t count) {  // count <= 4 out
   // four lines per step, so the prefetches keep pace with the reads.
   const char* ahead = reinterpret_cast<const char*>(rows[0]) + kNkPrefetchBytes;
   const char* end = reinterpret_cast<const char*>(w + p.n * p.k);
+  const bool prefetch = !(std::is_same_v<WT, float> && p.k >= kNkUnprefetchedFloat32K);
   for (int64_t k = 0; k < p.k; k += step, ahead += 4 * 64) {
-    for (int l = 0; l < 4; ++l)
+    for (int l = 0; l < 4 && prefetch; ++l)
       if (ahead + 64 * l < end) PrefetchLine(ahead + 64 * l);
     for (int m = 0; m < M; ++m)
       for (int j = 0; j < 4; ++j) acc[m][j] = Dot64Bytes(acc[m][j], x + m * p.k + k, rows[j] + k);
