@@ -33,10 +33,17 @@ ONEDNN_FASTER = (
     ("amx_bf16", ("bfloat16", "float32"), 8 << 20, ("bfloat16",)),
 )
 NOT_FASTER = ((), 0, ())
-# CPU flags of the kinds where XLA's dot multiplied [N, K] weights faster than [K, N] ones (the
-# float layer weights left to it are then held transposed; scripts/bench_matmul.py --orientations):
-# on the Xeon with AMX, SmolLM2's projections at 64 rows 1.04-1.52x in bf16, 1.05-1.23x in float32.
-XLA_WEIGHTS_NK = ("amx_bf16",)
+# Where XLA's dot multiplied [N, K] weights faster than [K, N] ones, per CPU kind: (a CPU flag it
+# has, one it lacks or None, the weight dtypes then held transposed, the fewest inputs K); the first
+# row that matches applies (scripts/bench_matmul.py --orientations, checked end to end):
+# * the Xeon with AMX: SmolLM2's projections at 64 rows 1.04-1.52x in bf16, 1.05-1.23x in float32;
+# * an AVX2 CPU without AVX-512 (EPYC family 23): float32 weights of 2048+ inputs (the 1B model's)
+#   1.6-3.9x from 4 to 48 rows, 1.1-1.2x at 64, 1.0-1.2x at 512; SmolLM2's of 576 inputs ran up
+#   to 2x slower below 32 rows that way, so they stay [K, N].
+XLA_WEIGHTS_NK = (
+    ("amx_bf16", None, FLOAT_DTYPES, 0),
+    ("avx2", "avx512f", ("float32",), 2048),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +64,10 @@ class MatmulKernels:
       (``models.packed_weights``), and their products, of every row count, run on oneDNN's matmul
       (:func:`onednn_matmul`: AMX and AVX-512 kernels, faster than XLA's dot where
       :func:`capabilities` chooses it); empty: none.
-    * ``xla_weights_nk``: the float linear weights not packed for oneDNN are held transposed,
-      [out, in], which XLA's dot multiplied faster on this CPU kind (``models.packed_weights``).
+    * ``xla_weights_nk``: the linear weights of these float dtypes with at least
+      ``xla_weights_nk_min_inputs`` inputs that are not packed for oneDNN are held transposed,
+      [out, in], which XLA's dot multiplied faster on this CPU kind (``models.packed_weights``);
+      empty: none.
     * ``onednn_weight_only``: activation dtypes (bf16 only) whose weight-only int8/int4 products
       of more rows than the native kernel takes run on oneDNN, the weights unpacked a tile at a time
       into its AMX layout (:func:`onednn_quant_matmul`); empty: XLA's dot after dequantizing.
@@ -77,7 +86,8 @@ class MatmulKernels:
     onednn_dtypes: tuple[str, ...] = ()
     onednn_min_weight_bytes: int = 0
     onednn_weight_only: tuple[str, ...] = ()
-    xla_weights_nk: bool = False
+    xla_weights_nk: tuple[str, ...] = ()
+    xla_weights_nk_min_inputs: int = 0
     elementwise: str = XLA
 
     def __post_init__(self):
@@ -87,8 +97,12 @@ class MatmulKernels:
         if not isinstance(self.onednn_dtypes, tuple) or not set(self.onednn_dtypes) <= {"float32", "bfloat16"}:
             raise ValueError(f"MatmulKernels.onednn_dtypes: expected a tuple of 'float32' and 'bfloat16', "
                              f"got {self.onednn_dtypes!r}")
-        if not isinstance(self.xla_weights_nk, bool):
-            raise ValueError(f"MatmulKernels.xla_weights_nk: expected a bool, got {self.xla_weights_nk!r}")
+        if not isinstance(self.xla_weights_nk, tuple) or not set(self.xla_weights_nk) <= set(FLOAT_DTYPES):
+            raise ValueError(f"MatmulKernels.xla_weights_nk: expected a tuple of {FLOAT_DTYPES}, "
+                             f"got {self.xla_weights_nk!r}")
+        if not isinstance(self.xla_weights_nk_min_inputs, int) or self.xla_weights_nk_min_inputs < 0:
+            raise ValueError(f"MatmulKernels.xla_weights_nk_min_inputs: expected an integer >= 0, "
+                             f"got {self.xla_weights_nk_min_inputs!r}")
         if not isinstance(self.onednn_weight_only, tuple) or not set(self.onednn_weight_only) <= {"bfloat16"}:
             raise ValueError(f"MatmulKernels.onednn_weight_only: expected () or ('bfloat16',), "
                              f"got {self.onednn_weight_only!r}")
@@ -187,10 +201,20 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     onednn = _onednn_faster() if device_count == 1 else NOT_FASTER
     if onednn[0] and onednn_unavailable(platform) is not None:  # built only where the table would use it
         onednn = NOT_FASTER
-    nk = device_count == 1 and any(flag in native.cpu_features() for flag in XLA_WEIGHTS_NK)
+    nk_dtypes, nk_min_inputs = _xla_weights_nk() if device_count == 1 else ((), 0)
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
-                         xla_weights_nk=nk, elementwise=kernel)
+                         xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel)
+
+
+def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
+    """(dtypes, fewest inputs) of the float weights XLA's dot multiplies faster held [N, K] on this
+    CPU, from :data:`XLA_WEIGHTS_NK` (the first row whose flags match); ((), 0) elsewhere."""
+    flags = set(native.cpu_features())
+    for has, lacks, dtypes, min_inputs in XLA_WEIGHTS_NK:
+        if has in flags and (lacks is None or lacks not in flags):
+            return dtypes, min_inputs
+    return (), 0
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:
@@ -224,7 +248,7 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
     if caps.platform != "cpu":
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
-        return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=False), "asked for"
+        return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=()), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:

@@ -37,7 +37,9 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      onednn_dtypes=caps.matmuls.onednn_dtypes,
                                                      onednn_min_weight_bytes=caps.matmuls.onednn_min_weight_bytes,
                                                      onednn_weight_only=caps.matmuls.onednn_weight_only,
-                                                     xla_weights_nk=caps.matmuls.xla_weights_nk, elementwise="native")
+                                                     xla_weights_nk=caps.matmuls.xla_weights_nk,
+                                                     xla_weights_nk_min_inputs=caps.matmuls.xla_weights_nk_min_inputs,
+                                                     elementwise="native")
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")
@@ -61,6 +63,19 @@ def test_capabilities_of_other_platforms_and_device_counts():
     assert "native" not in tpu.attention_impls and "jax_tpu" in tpu.attention  # shipped or not, it says why
 
 
+@pytest.mark.parametrize("flags, want", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, (("float32", "bfloat16", "float16"), 0)),
+    ({"avx2", "fma"}, (("float32",), 2048)),                       # AVX2 without AVX-512: wide float32 only
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, ((), 0)),          # AVX-512 without AMX: not measured faster
+    (set(), ((), 0)),
+])
+def test_weights_held_transposed_follow_the_cpu_kind(monkeypatch, flags, want):
+    """Which float weights start-up holds [N, K] for XLA's dot is read off the CPU's flags."""
+    from jaxrunner.kernels import platform_support
+    monkeypatch.setattr(platform_support.native, "cpu_features", lambda: tuple(sorted(flags)))
+    assert platform_support._xla_weights_nk() == want
+
+
 def test_default_kv_cache_dtype_follows_the_capabilities():
     from jaxrunner.runner.startup import default_kv_cache_dtype
 
@@ -79,6 +94,10 @@ def test_matmul_choice_is_checked():
         kernels.MatmulKernels(onednn_dtypes=("float16",))
     with pytest.raises(ValueError, match="MatmulKernels.onednn_min_weight_bytes"):
         kernels.MatmulKernels(onednn_min_weight_bytes=-1)
+    with pytest.raises(ValueError, match="MatmulKernels.xla_weights_nk"):
+        kernels.MatmulKernels(xla_weights_nk=("int4",))
+    with pytest.raises(ValueError, match="MatmulKernels.xla_weights_nk_min_inputs"):
+        kernels.MatmulKernels(xla_weights_nk_min_inputs=-1)
 
 
 def test_runner_hands_its_matmul_choice_to_the_model():

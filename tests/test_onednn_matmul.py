@@ -153,7 +153,7 @@ def test_weights_left_to_xla_can_be_held_transposed():
     leaf = _weight_only_leaf(rng, "int4", 96, 64, 32, jnp.float16)
     params = {"layers": [{"wqkv": w, "wo": leaf, "norm": norm}], "embed": normal(rng, (256, 64)), "lm_head": head}
     here = kernels.capabilities("cpu").matmuls
-    nk = dataclasses.replace(here, onednn_dtypes=(), xla_weights_nk=True)
+    nk = dataclasses.replace(here, onednn_dtypes=(), xla_weights_nk=("bfloat16",), xla_weights_nk_min_inputs=0)
     laid = packed_weights.pack(params, ("wqkv", "wo"), nk)
     layer = laid["layers"][0]
     assert isinstance(layer["wqkv"], packed_weights.TransposedWeight) and layer["wqkv"].data.shape == (96, 64)
@@ -167,7 +167,14 @@ def test_weights_left_to_xla_can_be_held_transposed():
                                        rtol=1e-5, atol=1e-5)
     jax.tree.map(np.testing.assert_array_equal, packed_weights.unpack(laid), params)
     assert packed_weights.plain_like(laid)["layers"][0]["wqkv"].shape == w.shape
-    assert packed_weights.pack(params, ("wqkv",), dataclasses.replace(nk, xla_weights_nk=False)) is params
+    assert packed_weights.pack(params, ("wqkv",), dataclasses.replace(nk, xla_weights_nk=())) is params
+    # only the dtypes and input counts the CPU kind's row names: the rest stay as the model holds them
+    for other in (dataclasses.replace(nk, xla_weights_nk=("float32",)),
+                  dataclasses.replace(nk, xla_weights_nk_min_inputs=65)):
+        kept = packed_weights.pack(params, ("wqkv",), other)
+        assert kept["layers"][0]["wqkv"] is w and kept["lm_head"] is head
+    wide = packed_weights.pack(params, ("wqkv",), dataclasses.replace(nk, xla_weights_nk_min_inputs=64))
+    assert isinstance(wide["layers"][0]["wqkv"], packed_weights.TransposedWeight)
 
 
 # ----------------------------------------------------------------------------- weight-only int4/int8

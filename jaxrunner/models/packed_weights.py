@@ -7,9 +7,10 @@ run on oneDNN without repacking the weight per call (``models.linear``). A tied 
 packed: the token lookup reads it too, so packing it would hold the vocabulary twice, and at one
 row (SmolLM2's head, bf16) the packed product was no faster than the native one-row kernel.
 
-Where ``kernels.MatmulKernels.xla_weights_nk`` says so, the layer weights (and an untied head) that
-stay on XLA's dot are held transposed instead, [out, in] (:class:`TransposedWeight`): XLA:CPU's dot
-multiplied them faster that way (per CPU kind, ``kernels.platform_support.XLA_WEIGHTS_NK``).
+Where ``kernels.MatmulKernels.xla_weights_nk`` says so (their dtype, and enough inputs), the layer
+weights (and an untied head) that stay on XLA's dot are held transposed instead, [out, in]
+(:class:`TransposedWeight`): XLA:CPU's dot multiplied them faster that way (per CPU kind,
+``kernels.platform_support.XLA_WEIGHTS_NK``).
 
 The packed tree is what the jitted step reads; users see the plain one (:func:`unpack`,
 :func:`plain_like`), bit for bit what was packed.
@@ -50,8 +51,8 @@ class TransposedWeight:
 
 def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) -> dict:
     """``params`` with the layer ``leaves`` and an untied output head packed where ``matmuls``
-    packs their dtype and size, and the other float ones transposed where it says so; the same
-    tree when it changes nothing."""
+    packs their dtype and size, and the other float ones transposed where it names their dtype and
+    they have enough inputs; the same tree when it changes nothing."""
     if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk:
         return params
 
@@ -60,7 +61,9 @@ def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) 
             return w  # quantized leaves, biases, norms
         if w.dtype.name in matmuls.onednn_dtypes and w.nbytes >= matmuls.onednn_min_weight_bytes:
             return kernels.onednn_pack(w)
-        return TransposedWeight(w.T) if matmuls.xla_weights_nk else w
+        if w.dtype.name in matmuls.xla_weights_nk and w.shape[0] >= matmuls.xla_weights_nk_min_inputs:
+            return TransposedWeight(w.T)
+        return w
 
     layers = [{name: laid_out(w) if name in leaves else w for name, w in layer.items()} for layer in params["layers"]]
     out = {**params, "layers": layers}

@@ -95,7 +95,10 @@ def _matmul_summary(matmuls) -> str:
                      f"packed")
     if matmuls.onednn_weight_only:
         parts.append(f"int8/int4 weights with {'/'.join(matmuls.onednn_weight_only)} activations")
-    xla = "xla (the other float weights transposed)" if matmuls.xla_weights_nk else "xla"
+    xla = "xla"
+    if matmuls.xla_weights_nk:
+        inputs = f" of {matmuls.xla_weights_nk_min_inputs}+ inputs" if matmuls.xla_weights_nk_min_inputs else ""
+        xla = f"xla (the other {'/'.join(matmuls.xla_weights_nk)} weights{inputs} transposed)"
     return f"onednn ({'; '.join(parts)}), {xla}" if parts else xla
 
 
