@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as common  # noqa: E402
 
 from jaxrunner import kernels  # noqa: E402
+from jaxrunner.kernels import onednn  # noqa: E402
 from jaxrunner.models import quant  # noqa: E402
 
 IMPLS = {False: ("xla", "onednn"), True: ("xla", "native", "onednn")}  # float weights; weight-only leaves
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
         print(f"oneDNN's matmul is unavailable: {why}", file=sys.stderr)
         return 1
     for dtype in args.dtypes.split(","):
+        if not args.quantization and not onednn.has_matmul(dtype):
+            print(f"skipping {dtype}: oneDNN has no {dtype} matmul on this CPU (bf16 needs AVX-512)", file=sys.stderr)
+            continue
         results = []
         for model in args.models.split(","):
             for rows in common.parse_int_list(args.rows, "--rows"):
