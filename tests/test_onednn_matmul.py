@@ -177,6 +177,28 @@ def test_weights_left_to_xla_can_be_held_transposed():
     assert isinstance(wide["layers"][0]["wqkv"], packed_weights.TransposedWeight)
 
 
+def test_an_engine_on_weights_held_transposed_generates_what_it_does_on_plain_ones(tiny_checkpoints, monkeypatch):
+    """Where the CPU kind's ``XLA_WEIGHTS_NK`` row names float32 (here for every width, as if this
+    CPU were such a kind), ``auto`` serves the layer weights [N, K] and shows the plain ones: the
+    tokens are those of ``cpu_matmul="xla"`` on the weights as given."""
+    from engine_helpers import make_llm, random_prompts, token_ids
+    from jaxrunner import SamplingParams
+    from jaxrunner.kernels import platform_support
+    from jaxrunner.models import packed_weights
+
+    path = tiny_checkpoints["llama"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(3, 512, 10, 30, seed=7)
+    plain = make_llm(path, cpu_matmul="xla")
+    want = token_ids(plain.generate(prompts, greedy, use_tqdm=False))
+    monkeypatch.setattr(platform_support, "_xla_weights_nk", lambda: (("float32",), 0))
+    llm = make_llm(path, cpu_matmul="auto")
+    assert isinstance(llm.engine.executor.runner.params["layers"][0]["wqkv"], packed_weights.TransposedWeight)
+    assert "float32 weights transposed" in llm.startup_report["cpu_matmul"]
+    jax.tree.map(np.testing.assert_array_equal, llm.params, plain.params)
+    assert token_ids(llm.generate(prompts, greedy, use_tqdm=False)) == want
+
+
 # ----------------------------------------------------------------------------- weight-only int4/int8
 needs_avx512_bf16 = pytest.mark.skipif(
     onednn.unavailable_reason() is not None or "avx512_bf16" not in native.cpu_features(),
