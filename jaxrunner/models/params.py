@@ -80,8 +80,9 @@ def build_params(state: Mapping[str, np.ndarray], cfg: ModelConfig, place, sourc
 
     With ``place`` putting pieces on devices, host memory holds one layer's copy (float32, or the
     checkpoint's bfloat16/float16: :func:`take`), not the model's; with a lazy ``state`` (a GGUF's
-    ``DequantizedTensors``, safetensors' ``SafetensorsTensors``) nothing else is resident. Top-level leaves arrive inside their one-key
-    dict (``{"embed": array}``), so that ``place`` sees their names (sharding goes by name).
+    ``DequantizedTensors``, safetensors' ``SafetensorsTensors``) nothing else is resident.
+    Top-level leaves arrive inside their one-key dict (``{"embed": array}``), so that ``place``
+    sees their names (sharding goes by name).
     """
     return family_for_config(cfg).build_params(state, cfg, place, source, progress)
 
