@@ -101,6 +101,17 @@ def test_bucket_plan_is_small_and_covers_every_step():
         assert bucket in plan.buckets()
 
 
+def test_big_token_buckets_keep_one_sequence_and_the_large_sequence_buckets():
+    """Under T tokens only 1, the ladder's buckets of at least T / 8 and the largest are compiled:
+    a lone sequence keeps its bucket, a few sequences of a big step pad up."""
+    plan = BucketPlan.from_limits(512, 64, 2048, 16)
+    assert [plan.seqs_for(t) for t in (4, 32, 128, 512)] == [(1, 4), (1, 4, 16, 32), (1, 16, 64), (1, 64)]
+    assert len(plan.buckets()) == 20
+    assert plan.select(300, 1, 9) == Bucket(512, 1, 128)
+    assert plan.select(300, 2, 9) == Bucket(512, 64, 128)
+    assert plan.select(100, 5, 9) == Bucket(128, 16, 128)
+
+
 def test_warmup_contexts_are_bounded_but_one_decode_spans_the_table():
     """Warm-up runs pay for short contexts only; one decode row still reaches far page-table columns."""
     bucket = Bucket(64, 8, 64)
