@@ -27,9 +27,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                         help="compute dtype (auto: the checkpoint's where the device computes it natively; "
                              "on a CPU without bf16 dot products, float32)")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w4a8", "w8a8"],
                         help="linear-layer weights: int8/int4 weight-only (a 4-bit GGUF keeps its own blocks), "
-                             "or w8a8 (int8 weights and activations); default: the dtype's floats")
+                             "w4a8 (int4's weights, activations rounded to int8 per 32 inputs as llama.cpp "
+                             "does), or w8a8 (int8 weights and activations); default: the dtype's floats")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output, in tokens (default: the model's limit, lowered to what "
                              "the KV cache holds)")

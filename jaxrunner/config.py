@@ -43,7 +43,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
     warmup_inputs: str = "random"           # random | zeros
-    quantization: str | None = None         # None | "int8" | "int4" (weight-only) | "w8a8" (models/quant.py)
+    quantization: str | None = None         # None | "int8" | "int4" (weight-only) | "w4a8" | "w8a8" (models/quant.py)
     quantization_group_size: int = 32       # int4: inputs per scale (32 or 64)
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get(
@@ -60,7 +60,7 @@ class EngineConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     speculative_model: str | None = None        # draft_model: an alias, a .gguf file or a model directory
-    speculative_quantization: str | None = None  # the draft's weights: None | "int8" | "int4" | "w8a8"
+    speculative_quantization: str | None = None  # the draft's weights: None or one of quantization's
     # LoRA adapters, as vLLM's: max_loras adapters on the device at once (one batch mixes them),
     # ranks up to max_lora_rank; max_cpu_loras adapters kept in host memory (default max_loras).
     enable_lora: bool = False

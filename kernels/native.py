@@ -34,7 +34,8 @@ logger = logging.getLogger("jaxrunner")
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
            CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
-HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h")
+HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
+           CPU_DIR / "quant_dot8.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
 WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
@@ -297,9 +298,11 @@ def quantized_matmul_supported(x, w: dict) -> bool:
             and scales.shape[0] == packed.shape[0] and k % groups == 0 and (k // groups) % 32 == 0)
 
 
-def quantized_matmul_native(x, w: dict):
+def quantized_matmul_native(x, w: dict, int8_activations: bool = False):
     """``x @ dequantize(w).T`` with a float32 result: the packed weights are read once and
-    unpacked in registers, four outputs at a time for many rows (see ``cpu/quant_matmul.cc``)."""
+    unpacked in registers, four outputs at a time for many rows (see ``cpu/quant_matmul.cc``).
+    ``int8_activations``: ``x`` is first rounded to int8 per run of 32 inputs, as
+    ``models.quant.round_activations_int8`` rounds it (the ``"w4a8"`` quantization)."""
     _require()
     if not quantized_matmul_supported(x, w):
         raise ValueError(f"the native quantized matmul takes x [rows, K] bf16 or float32 and a "
@@ -308,7 +311,8 @@ def quantized_matmul_native(x, w: dict):
     offsets = w.get("offsets")
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET_NAME,
                             jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
-    return call(x, w["packed"], w["scales"], offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None))
+    return call(x, w["packed"], w["scales"], offsets_or_placeholder(w), has_offsets=np.int64(offsets is not None),
+                x_int8=np.int64(int8_activations))
 
 
 def dequantize_native(w: dict, after=None):

@@ -21,6 +21,7 @@ from jaxrunner.kernels.names import ATTENTION_IMPLS, CPU_MATMUL_CHOICES
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 XLA, NATIVE, ONEDNN = "xla", "native", "onednn"
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_ONLY_ACTIVATIONS = ("float", "int8")  # MatmulKernels.weight_only_activations
 # XLA:CPU routes a one-row 16-bit dot to a GEMV that measured 9x slower than the same dot with
 # four rows (tied LM head [1, 576] x [49152, 576]: 37 vs 4.8 ms), so such dots are padded to four.
 CPU_MIN_16BIT_ROWS = 4
@@ -76,6 +77,11 @@ class MatmulKernels:
       (:func:`silu_mul_native`) and RoPE with the split of the grouped q/k/v projection
       (:func:`rotary_native`); ``"xla"`` leaves them to XLA. Not products, but decided by the same
       conditions as the native ones, and handed down with them.
+    * ``weight_only_activations``: ``"float"`` multiplies weight-only int8/int4 weights by the
+      activations as they are; ``"int8"`` rounds them to int8 per run of 32 inputs first, on every
+      path (the ``"w4a8"`` quantization, ``models/quant.py``; the runner sets it from the
+      engine's quantization). Not a place but a number format, handed down with the places
+      because every product reads it.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -89,8 +95,12 @@ class MatmulKernels:
     xla_weights_nk: tuple[str, ...] = ()
     xla_weights_nk_min_inputs: int = 0
     elementwise: str = XLA
+    weight_only_activations: str = "float"
 
     def __post_init__(self):
+        if self.weight_only_activations not in WEIGHT_ONLY_ACTIVATIONS:
+            raise ValueError(f"MatmulKernels.weight_only_activations: expected one of {WEIGHT_ONLY_ACTIVATIONS}, "
+                             f"got {self.weight_only_activations!r}")
         for name in ("one_row", "weight_only", "elementwise"):
             if getattr(self, name) not in (XLA, NATIVE):
                 raise ValueError(f"MatmulKernels.{name}: expected {XLA!r} or {NATIVE!r}, got {getattr(self, name)!r}")

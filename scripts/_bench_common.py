@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"model alias, .gguf file or directory (default {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "w4a8", "w8a8"],
                    help="linear-layer weights (default: float, the dtype)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help="most sequences in one step (default: derived from the workload)")

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram looked up")
     spec.add_argument("--compare-speculation", action="store_true",
                       help="also run without speculation, alternating repetitions with the speculative engine")
-    parser.add_argument("--compare-quantization", default=None, choices=["int8", "int4", "w8a8"],
+    parser.add_argument("--compare-quantization", default=None, choices=["int8", "int4", "w4a8", "w8a8"],
                         help="also run an engine with these weights, alternating repetitions with the float one "
                              "(the result is named after the format)")
     parser.add_argument("--prompt-kind", default="random",

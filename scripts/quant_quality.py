@@ -12,7 +12,9 @@ and how often the argmax (the greedy next token) agrees; per format, the paragra
 
 Formats: ``float32``; ``bfloat16`` (every weight and the activations); ``int8`` and ``int4``
 (weight-only, quantized from the float32 weights, group 32; a tied embedding int8 per row);
-``int4-gguf`` (the GGUF file's own blocks, kept as they are). From a 4-bit GGUF, "float32" is the file dequantized, so
+``int4-gguf`` (the GGUF file's own blocks, kept as they are); ``w4a8`` and ``w4a8-gguf``, the same
+weights with the activations of their products rounded to int8 per run of 32 inputs (llama.cpp's
+own numbers for the GGUF file). From a 4-bit GGUF, "float32" is the file dequantized, so
 ``int4-gguf`` differs from it only by the order of float32 additions. Prints a JSON object, then
 a Markdown table.
 """
@@ -25,7 +27,7 @@ import sys
 
 import numpy as np
 
-FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-gguf")
+FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-gguf", "w4a8", "w4a8-gguf")
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_quality.txt")
 PAD_TO = 256  # every sequence is padded to this many tokens: one compile per format
 
@@ -64,17 +66,20 @@ def format_params(name: str, model):
         return model.params
     if name == "bfloat16":
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params)
-    if name in ("int8", "int4"):
+    if name in ("int8", "int4", "w4a8"):
         return quant.quantize_params(model.params, name, 32)
-    if name == "int4-gguf":
+    if name in ("int4-gguf", "w4a8-gguf"):
         if model.source.kind != "gguf":
-            raise SystemExit("int4-gguf: the model is not a GGUF file")
-        replace = quantize._gguf_leaves(model.source.path, model.config, "int4")
-        return quant.quantize_params(model.params, "int4", 32, replace)
+            raise SystemExit(f"{name}: the model is not a GGUF file")
+        quantization = name.removesuffix("-gguf")
+        replace = quantize._gguf_leaves(model.source.path, model.config, quantization)
+        return quant.quantize_params(model.params, quantization, 32, replace)
     raise SystemExit(f"--formats: unknown format {name!r} (valid: {', '.join(FORMATS)})")
 
 
-def logits_fn(model):
+def logits_fn(model, int8_activations: bool = False):
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -84,6 +89,8 @@ def logits_fn(model):
 
     cfg = model.config
     matmuls = kernels.capabilities().matmuls  # the products run where the engine would run them
+    if int8_activations:  # "w4a8", as runner.startup.choose_matmuls sets it
+        matmuls = dataclasses.replace(matmuls, weight_only_activations="int8")
 
     @jax.jit
     def run(params, ids):
@@ -123,10 +130,11 @@ def main(argv=None) -> int:
 
     model = load_model(args.model, "float32", progress=False)
     chats, text = sequences(model.tokenizer)
-    logits = logits_fn(model)
+    logits_of = {False: logits_fn(model), True: logits_fn(model, int8_activations=True)}
     results, reference = {}, None
     for name in ["float32"] + [f for f in formats if f != "float32"]:
         params = format_params(name, model)
+        logits = logits_of[name.startswith("w4a8")]
         chat_logits = [logits(params, ids) for ids in chats]
         text_logits = logits(params, text)
         if reference is None:

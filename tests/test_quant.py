@@ -45,7 +45,7 @@ def test_quantized_weights_are_within_half_a_step(fmt, group, bound):
 
 
 def test_refusals_name_the_field_and_the_valid_values():
-    with pytest.raises(ValueError, match=r"quantization: must be None or one of \('int8', 'int4', 'w8a8'\)"):
+    with pytest.raises(ValueError, match=r"quantization: must be None or one of \('int8', 'int4', 'w4a8', 'w8a8'\)"):
         EngineConfig(model="x", quantization="int3")
     with pytest.raises(ValueError, match=r"quantization_group_size: must be one of \(32, 64\)"):
         EngineConfig(model="x", quantization="int4", quantization_group_size=48)
@@ -53,6 +53,8 @@ def test_refusals_name_the_field_and_the_valid_values():
     with pytest.raises(ValueError, match=r"quantization_group_size: int4 needs the input size of wo \(96\) "
                                          r"to be a multiple of the group size 64"):
         quant.quantize_params(params, "int4", 64)
+    with pytest.raises(ValueError, match=r"quantization_group_size: int4 needs the input size of wo \(96\) "):
+        quant.quantize_params(params, "w4a8", 64)  # int4's weights
     assert quant.is_weight_only(quant.quantize_params(params, "int4", 32)["layers"][0]["wo"])
 
 
@@ -94,13 +96,16 @@ def float_tokens(tiny_checkpoints):
     return prompts, _greedy(make_llm(tiny_checkpoints["llama"]), prompts)
 
 
-@pytest.mark.parametrize("quantization,min_agreement", [("int8", 0.9), ("int4", 0.5), ("w8a8", 0.5)])
+@pytest.mark.parametrize("quantization,min_agreement", [("int8", 0.9), ("int4", 0.5), ("w4a8", 0.5), ("w8a8", 0.5)])
 def test_quantized_engine_agrees_with_float_and_never_compiles_while_serving(
         tiny_checkpoints, float_tokens, quantization, min_agreement):
     prompts, exact = float_tokens
     llm = make_llm(tiny_checkpoints["llama"], quantization=quantization)
     layer = llm.engine.model.params["layers"][0]
     assert quant.is_weight_only(layer["w_down"]) == (quantization != "w8a8")
+    assert quant.is_int4(layer["w_down"]) == (quantization in ("int4", "w4a8"))
+    rounds = llm.engine.executor.runner.matmuls.weight_only_activations
+    assert rounds == ("int8" if quantization == "w4a8" else "float")
     with count_compilations() as compiles:
         got = _greedy(llm, prompts)
         _greedy(llm, prompts[:1])  # a one-sequence decode: the native kernel's few-row path

@@ -228,3 +228,91 @@ def test_concurrent_calls_share_the_helper_thread_safely():
 
     with ThreadPoolExecutor(6) as pool:
         assert all(pool.map(repeat, range(6)))
+
+
+# ---- "w4a8": activations rounded to int8 per run of 32 inputs (models/quant.py)
+
+
+def _q8_1(x) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF's Q8_1 rounding of x [rows, K] in numpy: (integers q [rows, K], dx [rows, K / 32])."""
+    runs = np.asarray(x.astype(jnp.float32), np.float32).reshape(x.shape[0], -1, 32)
+    peak = np.abs(runs).max(axis=-1, keepdims=True)
+    inverse = np.where(peak > 0, np.float32(127) / np.where(peak > 0, peak, 1), 0).astype(np.float32)
+    return np.rint(runs * inverse).reshape(x.shape), (peak * np.float32(1 / 127))[..., 0]
+
+
+def test_int8_activations_are_q8_1_runs():
+    """Integers of at most 127 per run of 32, the run's peak at +-127, each input within half a
+    step; a run of zeros stays zeros; input already on the grid keeps its integers."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 128)).astype(np.float32) * np.repeat(rng.uniform(1e-3, 1e3, (3, 4)), 32, axis=1)
+    x[1, 32:64] = 0.0
+    x = jnp.asarray(x, jnp.float32)
+    q, dx = _q8_1(x)
+    rounded = np.asarray(quant.round_activations_int8(x))
+    step = np.repeat(dx, 32, axis=1)
+    np.testing.assert_array_equal(rounded, (q * step).astype(np.float32))
+    assert np.abs(q).max() == 127 and np.all(np.abs(q).reshape(3, 4, 32).max(axis=-1)[dx > 0] == 127)
+    assert np.all(np.abs(rounded - np.asarray(x)) <= 0.5 * step * (1 + 1e-6))
+    assert np.all(rounded[1, 32:64] == 0.0)
+    np.testing.assert_array_equal(_q8_1(jnp.asarray(rounded))[0], q)
+    with pytest.raises(ValueError, match="w4a8.*whole runs of 32"):
+        quant.round_activations_int8(jnp.zeros((1, 48)))
+
+
+def _rounded_oracle_bound(x, leaf):
+    """(float64 product of the Q8_1-rounded x with the weight, float32 rounding's bound on it): a
+    single integer of x rounded otherwise than the oracle rounds it falls outside."""
+    q, dx = _q8_1(x)
+    x64 = q.astype(np.float64) * np.repeat(dx.astype(np.float64), 32, axis=1)
+    w64 = quant.dequantize(leaf, np.float64)
+    return x64 @ w64.T, 4 * x.shape[1] * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+
+
+@needs_native
+@pytest.mark.parametrize("fmt,group,k", [("int8", 32, 192), ("int8", 32, 544), ("int4", 32, 192), ("int4", 32, 544),
+                                         ("int4", 64, 576)])  # 544: an odd number of runs
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+@pytest.mark.parametrize("scales", [np.float32, np.float16])
+def test_native_kernel_with_int8_activations_matches_the_rounded_oracle(fmt, group, k, rows, scales):
+    """Up to four rows through the int8 dot products (AVX2) or the 16-bit ones on x's int8 grid,
+    more rows through the float form on that grid: each equals the oracle on Q8_1-rounded x."""
+    x, _, leaf = _case(fmt, group, rows, jnp.float32, k=k, seed=6)
+    x = x * jnp.asarray(np.repeat(np.random.default_rng(7).uniform(0.01, 100, (rows, k // 32)), 32, axis=1),
+                        jnp.float32)
+    leaf = {name: part if name == "packed" else part.astype(scales) for name, part in leaf.items()}
+    w = {name: jnp.asarray(part) for name, part in leaf.items()}
+    got = np.asarray(jax.jit(functools.partial(native.quantized_matmul_native, int8_activations=True))(x, w))
+    want, bound = _rounded_oracle_bound(x, leaf)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_activations_with_int8_codes_at_the_ends_of_their_range(rows):
+    """Codes of -128 and 127 against inputs at their run's peak, either sign: |code| times x with
+    the code's sign (vpmaddubsw) stays exact at 2 * 128 * 127."""
+    x, _, leaf = _case("int8", 32, rows, jnp.float32, k=256, n=24, seed=3)
+    rng = np.random.default_rng(4)
+    leaf = {**leaf, "packed": rng.choice(np.array([-128, 127, -127, 0], np.int8), size=leaf["packed"].shape)}
+    x = jnp.asarray(3.0 * rng.choice(np.array([-1.0, 1.0], np.float32), size=x.shape))
+    w = {name: jnp.asarray(part) for name, part in leaf.items()}
+    got = np.asarray(jax.jit(functools.partial(native.quantized_matmul_native, int8_activations=True))(x, w))
+    want, bound = _rounded_oracle_bound(x, leaf)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 32), ("int4", 32)])
+@pytest.mark.parametrize("rows", [1, 3, linear.NATIVE_QUANT_ROWS + 3])
+@pytest.mark.parametrize("where", ["here", "xla"])
+def test_every_path_multiplies_the_same_int8_activations(fmt, group, rows, where):
+    """``weight_only_activations="int8"``: the native kernel (few rows), the weight it unpacks for
+    XLA's dot (more float32 rows) and XLA alone all equal the oracle on Q8_1-rounded x."""
+    base = kernels.capabilities().matmuls if where == "here" else kernels.XLA_MATMULS
+    matmuls = dataclasses.replace(base, weight_only_activations="int8")
+    x, w, leaf = _case(fmt, group, rows, jnp.float32, seed=8)
+    got = np.asarray(jax.jit(functools.partial(linear.weight_only_matmul, matmuls=matmuls))(x, w))
+    want, bound = _rounded_oracle_bound(x, leaf)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+    plain = np.asarray(jax.jit(functools.partial(linear.weight_only_matmul, matmuls=base))(x, w))
+    assert np.max(np.abs(plain - want)) > 10 * np.max(np.abs(got - want))  # the rounding did happen

@@ -61,15 +61,23 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead, the weight unpacked a
     tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
     the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own unpacking fusion
-    was several times slower), by XLA in ``x``'s dtype otherwise."""
+    was several times slower), by XLA in ``x``'s dtype otherwise.
+
+    With ``matmuls.weight_only_activations == "int8"`` (``"w4a8"``), ``x`` is rounded to int8 per
+    run of 32 inputs on every path: by the native kernel where it takes the product, by
+    :func:`quant.round_activations_int8` before the others (bf16 activations then carry the
+    rounded values in bf16)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     native_path = _native_quant_path(x2, w, matmuls)
+    int8_activations = matmuls.weight_only_activations == "int8"
+    if int8_activations and native_path != "matmul":  # the native kernel rounds them itself
+        x2 = quant.round_activations_int8(x2).astype(x2.dtype)
     if (x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only
             and kernels.quantized_matmul_supported(x2, w)):
         out = kernels.onednn_quant_matmul(x2, w)
     elif native_path == "matmul":
-        out = kernels.quantized_matmul_native(x2, w)
+        out = kernels.quantized_matmul_native(x2, w, int8_activations=int8_activations)
     else:
         if native_path == "dequantize":
             dense = kernels.dequantize_native(w, after=x2)

@@ -9,6 +9,11 @@ Formats (``EngineConfig.quantization``):
 - ``"int4"``: weight-only, group-wise along the input dimension (``group_size`` 32 or 64):
   ``w = scale * q + offset`` with ``q`` in 0..15. From float weights the scale and offset span each
   group's min..max; from a GGUF's ``Q4_0``/``Q4_1``/``Q4_K`` they are the file's own (exact).
+- ``"w4a8"``: the weights of ``"int4"``, and in every weight-only product (the int8 LM head too)
+  the activations rounded to int8 per run of 32 inputs (:func:`round_activations_int8`): GGUF's
+  ``Q8_1``, what llama.cpp multiplies 4-bit weights with. The native CPU kernel then multiplies
+  few rows as int8 (``kernels/cpu/quant_dot8.h``), faster where integer products are cheaper than
+  float ones; every other path multiplies the same rounded values as floats.
 - ``"w8a8"``: int8 weights and per-token dynamic int8 activations (what ``"int8"`` meant before
   weight-only int8 existed): see :func:`quantize_w8a8_weight`.
 
@@ -37,9 +42,11 @@ import numpy as np
 
 MIN_ACTIVATION_SCALE = 1e-12
 QUANTIZED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
-QUANTIZATIONS = ("int8", "int4", "w8a8")
+QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8")
+WEIGHT_FORMATS = {"int8": "int8", "int4": "int4", "w4a8": "int4"}  # weight-only quantization -> its leaves' format
 GROUP_SIZES = (32, 64)
 NIBBLE_RUN = 32  # inputs per run of 16 bytes in the int4 layout
+ACTIVATION_RUN = 32  # inputs that share one scale in "w4a8"'s int8 activations
 
 
 # ----------------------------------------------------------------------------- weight-only
@@ -129,7 +136,23 @@ def take_rows(w: dict, ids, dtype):
 def quantize_weight_only(w_kn, quantization: str, group_size: int = 32) -> dict:
     """A float [K, N] params leaf -> its weight-only leaf ([N, K] orientation)."""
     w_nk = np.asarray(jnp.asarray(w_kn, jnp.float32)).T
-    return quantize_int8(w_nk) if quantization == "int8" else quantize_int4(w_nk, group_size)
+    return quantize_int8(w_nk) if WEIGHT_FORMATS[quantization] == "int8" else quantize_int4(w_nk, group_size)
+
+
+def round_activations_int8(x: jax.Array) -> jax.Array:
+    """``x`` [..., K] (K a multiple of 32) as the ``"w4a8"`` products multiply it, float32: each run
+    of 32 inputs becomes ``q * dx`` with ``q = round_half_even(x * (127 / peak))`` in -127..127 and
+    ``dx = peak * (1 / 127)``, ``peak`` the run's largest magnitude. The native kernel rounds in
+    the same float32 steps (``kernels/cpu/quant_dot8.h``), so every path sees the same integers."""
+    k = x.shape[-1]
+    if k % ACTIVATION_RUN:
+        raise ValueError(f"quantization 'w4a8': the inputs of every product must be whole runs of "
+                         f"{ACTIVATION_RUN}, got {k}")
+    runs = x.astype(jnp.float32).reshape(*x.shape[:-1], k // ACTIVATION_RUN, ACTIVATION_RUN)
+    peak = jnp.max(jnp.abs(runs), axis=-1, keepdims=True)
+    inverse = jnp.where(peak > 0, 127.0 / jnp.where(peak > 0, peak, 1.0), 0.0)
+    dx = peak * np.float32(1.0 / 127.0)
+    return (jnp.round(runs * inverse) * dx).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------- w8a8
@@ -169,7 +192,7 @@ def check_quantization(quantization, group_size: int = 32, field: str = "quantiz
 
 def check_params_quantizable(params: dict, quantization: str, group_size: int = 32) -> None:
     """Refuse, before any work, a tree whose leaves cannot take ``quantization``."""
-    if quantization != "int4":
+    if WEIGHT_FORMATS.get(quantization) != "int4":
         return
     for name, value in params["layers"][0].items():
         if name in QUANTIZED_WEIGHTS and not isinstance(value, dict):

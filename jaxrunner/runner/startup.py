@@ -82,8 +82,12 @@ def check_attention(config: EngineConfig, platform: str, impl: str, why: str, se
 
 
 def choose_matmuls(config: EngineConfig, platform: str):
-    """(where the model's linear products run, why): ``config.cpu_matmul`` resolved on ``platform``."""
-    return kernels.choose_matmuls(config.cpu_matmul, platform)
+    """(where the model's linear products run, why): ``config.cpu_matmul`` resolved on ``platform``,
+    with ``"w4a8"``'s int8 activations where ``config.quantization`` asks for them."""
+    matmuls, why = kernels.choose_matmuls(config.cpu_matmul, platform)
+    if config.quantization == "w4a8":
+        matmuls = dataclasses.replace(matmuls, weight_only_activations="int8")
+    return matmuls, why
 
 
 def _matmul_summary(matmuls) -> str:

@@ -13,7 +13,11 @@
 // instead looks each code up in its group's sixteen weight values (OutputInt4). With AVX512-VNNI,
 // products of up to kMaxRows rows are integer dot products on x rounded to 16 bits per run of 32
 // inputs instead (quant_dot.h): about half the vector instructions per weight; with AVX2 alone,
-// the same with vpmaddubsw.
+// the same through vpmaddwd.
+//
+// With x_int8 (the "w4a8" quantization), x is first rounded to int8 per run of 32 inputs, as
+// models/quant.py rounds it for XLA's path; with AVX2 alone, up to kMaxRows rows then multiply as
+// int8 (quant_dot8.h), and every other form takes x on that grid.
 //
 // Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
 // same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
@@ -26,6 +30,7 @@
 
 #include "helper_thread.h"
 #include "quant_dot.h"
+#include "quant_dot8.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -77,6 +82,9 @@ struct Problem {
   bool half_scales;
 #if JAXRUNNER_QUANT_DOT
   const QuantizedX* qx = nullptr;  // x for the integer dot products (few rows), or null
+#if JAXRUNNER_QUANT_DOT8
+  const QuantizedX8* qx8 = nullptr;  // x rounded to int8 for them (x_int8), or null
+#endif
   QuantWeights Weights(bool int4) const { return {packed, scales, offsets, half_scales, int4, n, k, groups}; }
 #endif
 
@@ -321,8 +329,15 @@ void OutputsItem(const void* problem, int64_t item) {
   const Problem& p = *static_cast<const Problem*>(problem);
   const int64_t n1 = std::min(p.n, (item + 1) * kOutputsPerItem);
 #if JAXRUNNER_QUANT_DOT
+  constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
+#if JAXRUNNER_QUANT_DOT8
+  if (p.qx8 != nullptr) {
+    const QuantWeights w = p.Weights(kInt4);
+    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot8<M, kInt4>(w, *p.qx8, n, p.y);
+    return;
+  }
+#endif
   if (p.qx != nullptr) {
-    constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
     const QuantWeights w = p.Weights(kInt4);
     for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot<M, kInt4>(w, *p.qx, n, p.y);
     return;
@@ -357,7 +372,7 @@ bool ScalesTyped(const ffi::AnyBuffer& scales, const ffi::AnyBuffer& offsets) {
 }
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales,
-                       ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets) {
+                       ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets, int64_t x_int8) {
   using ffi::DataType;
   const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   const bool bf16 = x.element_type() == DataType::BF16;
@@ -376,6 +391,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
                       offsets.dimensions()[1] != groups))
     return ffi::Error::InvalidArgument("quantized matmul: offsets must be [N, G] like scales");
   if (rows < 1) return ffi::Error::InvalidArgument("quantized matmul: x must have at least one row");
+  if (x_int8 && k % kInt8Run != 0)
+    return ffi::Error::InvalidArgument("quantized matmul: x_int8 needs K to be whole runs of 32");
   std::vector<float> x32(rows * k), xsum(rows * groups, 0.0f);
   if (bf16) {
     const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
@@ -386,10 +403,18 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   Problem p{rows, k, n, groups, x32.data(), xsum.data(), packed.untyped_data(),
             scales.untyped_data(), has_offsets ? offsets.untyped_data() : nullptr,
             static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
+#if JAXRUNNER_QUANT_DOT8
+  std::unique_ptr<QuantizedX8> qx8;  // keeps its own sums of x, per run
+  if (x_int8 && rows <= kMaxRows) p.qx8 = (qx8 = std::make_unique<QuantizedX8>(x32.data(), rows, k, int4)).get();
+  const bool int8_dot = p.qx8 != nullptr;
+#else
+  const bool int8_dot = false;
+#endif
+  if (x_int8 && !int8_dot) RoundRunsToInt8Grid(x32.data(), rows, k);  // the float forms take x on its int8 grid
 #if JAXRUNNER_QUANT_DOT
   std::unique_ptr<QuantizedX> qx;  // keeps its own sums of x, per run
-  if (rows <= kMaxRows) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
-  if (p.qx == nullptr)
+  if (rows <= kMaxRows && !int8_dot) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
+  if (p.qx == nullptr && !int8_dot)
 #endif
   {
     const int64_t group = k / groups;
@@ -411,7 +436,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuQuantMatmul, QuantMatmul,
                                   .Arg<ffi::AnyBuffer>()  // scales [N, G] f32 or f16
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] like scales (ignored without has_offsets)
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32
-                                  .Attr<int64_t>("has_offsets"));
+                                  .Attr<int64_t>("has_offsets")
+                                  .Attr<int64_t>("x_int8"));  // x rounded to int8 per run of 32 first (quant_dot8.h)
 
 // ---- Dequantize a whole weight into float32 [N, K], for products too big for the kernel above
 // (long prefill chunks), which XLA's dot then takes: the same unpacking as DequantizeRow, on all

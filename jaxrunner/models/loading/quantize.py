@@ -11,7 +11,7 @@ import numpy as np
 from jaxrunner.models import registry
 from jaxrunner.models.loading.gguf import open_gguf
 from jaxrunner.models.params import group_qkv
-from jaxrunner.models.quant import check_params_quantizable, check_quantization, quantize_params
+from jaxrunner.models.quant import WEIGHT_FORMATS, check_params_quantizable, check_quantization, quantize_params
 from jaxrunner.parallel import sharding
 
 
@@ -71,4 +71,4 @@ def _same_kind(leaves: list, quantization: str) -> bool:
     kinds = {(leaf["packed"].dtype, leaf["scales"].shape[1], tuple(sorted(leaf))) for leaf in leaves}
     if len(kinds) != 1:
         return False
-    return quantization == "int4" or leaves[0]["packed"].dtype == np.int8
+    return WEIGHT_FORMATS[quantization] == "int4" or leaves[0]["packed"].dtype == np.int8

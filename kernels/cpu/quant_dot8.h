@@ -1,0 +1,175 @@
+// Weight-only products whose activations are rounded to int8 per run of 32 inputs: the "w4a8"
+// quantization (jaxrunner/models/quant.py), for quant_matmul.cc.
+//
+// What it computes: each run of 32 inputs of x becomes q = round-to-nearest-even(x * (127 / peak))
+// with dx = peak * (1 / 127), peak = max |x| over the run (GGUF's Q8_1, what llama.cpp multiplies its
+// 4-bit weights with). models/quant.py rounds the same way in float32, so XLA's path and this one
+// see the same integers; x already on that grid (RoundRunsToInt8Grid) rounds to the same integers
+// again, which the 16-bit forms of quant_dot.h then multiply exactly (as 256 q).
+//
+// Why: with AVX2 alone, the codes' products with int8 x are vpmaddubsw (unsigned codes times signed
+// bytes, pairs added into int16) and one vpmaddwd by ones: about two thirds of the instructions
+// of the 16-bit form per 32 weights, and half the bytes of x read per weight. The 16-bit form is
+// bound by instructions on CPUs that split 256-bit operations in halves (AMD Zen 1 and 2).
+// int8 weights (the LM head of a 4-bit model) multiply as |w| times x carrying w's sign
+// (vpsignb), which vpmaddubsw takes without overflow (2 * 128 * 127 < 32768).
+//
+// Layouts: an int4 run is 16 bytes (GGUF order: low nibbles are inputs 0..15, high nibbles
+// 16..31), read two runs at a time; x's bytes for runs 2p and 2p + 1 are the 64 bytes [inputs 0..15
+// of 2p, 0..15 of 2p + 1, 16..31 of 2p, 16..31 of 2p + 1], the order the nibbles come out in. An
+// int8 run is 32 bytes, x in input order.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "quant_dot.h"
+#include "vec.h"
+
+namespace jaxrunner_cpu {
+
+constexpr int64_t kInt8Run = 32;      // inputs per run that share one dx
+constexpr float kInt8Max = 127.0f;    // the rounded inputs' largest magnitude
+constexpr float kInt8Step = 1.0f / kInt8Max;  // dx per unit of peak (a product, as models/quant.py computes it)
+
+// x [rows, k] (k a multiple of 32) replaced, run by run, by q * dx: the values the int8 form
+// multiplies, for the paths that multiply floats. Every build, every row count.
+inline void RoundRunsToInt8Grid(float* x, int64_t rows, int64_t k) {
+  for (int64_t at = 0; at < rows * k; at += kInt8Run) {
+    float peak = 0.0f;
+    for (int64_t i = 0; i < kInt8Run; ++i) peak = std::max(peak, std::fabs(x[at + i]));
+    const float inverse = peak > 0.0f ? kInt8Max / peak : 0.0f, dx = peak * kInt8Step;
+    for (int64_t i = 0; i < kInt8Run; ++i) x[at + i] = std::nearbyint(x[at + i] * inverse) * dx;
+  }
+}
+
+}  // namespace jaxrunner_cpu
+
+#if JAXRUNNER_QUANT_DOT_AVX2
+#define JAXRUNNER_QUANT_DOT8 1
+
+namespace jaxrunner_cpu {
+
+// x [rows, k] rounded to int8 per run, in the byte order of the weights' kind (see the top), with
+// per-run dx and sum(q) * dx (what int4 offsets multiply), padded with zeros to a multiple of 8 runs.
+class QuantizedX8 {
+ public:
+  QuantizedX8(const float* x, int64_t rows, int64_t k, bool int4)
+      : runs_(k / kInt8Run), padded_((runs_ + 7) / 8 * 8), int4_(int4), bytes_(rows * padded_ * kInt8Run, 0),
+        dx_(rows * padded_, 0.0f), sum_(rows * padded_, 0.0f) {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t r = 0; r < runs_; ++r) RoundRun(x + m * k + r * kInt8Run, m, r);
+  }
+
+  int64_t runs() const { return runs_; }
+  const int8_t* Bytes(int64_t m) const { return bytes_.data() + m * padded_ * kInt8Run; }
+  const float* Dx(int64_t m) const { return dx_.data() + m * padded_; }
+  const float* Sum(int64_t m) const { return sum_.data() + m * padded_; }
+
+ private:
+  void RoundRun(const float* x, int64_t m, int64_t r) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 part[4], magnitude = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      part[i] = _mm256_loadu_ps(x + 8 * i);
+      magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, part[i]));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, magnitude);
+    const float peak = *std::max_element(lanes, lanes + 8);
+    const __m256 inverse = _mm256_set1_ps(peak > 0.0f ? kInt8Max / peak : 0.0f);
+    alignas(32) int32_t q[kInt8Run];
+    for (int i = 0; i < 4; ++i)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)));
+    int32_t total = 0;
+    for (int32_t v : q) total += v;
+    const int64_t slot = m * padded_ + r;
+    dx_[slot] = peak * kInt8Step;
+    sum_[slot] = float(total) * dx_[slot];
+    int8_t* out = bytes_.data() + m * padded_ * kInt8Run;
+    for (int i = 0; i < kInt8Run; ++i) out[Position(r, i)] = int8_t(q[i]);
+  }
+
+  // Where input i of run r lies in a row's bytes.
+  int64_t Position(int64_t r, int i) const {
+    if (!int4_) return r * kInt8Run + i;
+    return (r / 2) * 64 + (i / 16) * 32 + (r % 2) * 16 + i % 16;
+  }
+
+  int64_t runs_, padded_;
+  bool int4_;
+  std::vector<int8_t> bytes_;     // [rows, padded runs * 32]
+  std::vector<float> dx_, sum_;   // [rows, padded runs]
+};
+
+// Row m's int32 sums of one int8 run's 32 codes times x's bytes, eight lanes of four products.
+inline __m256i RunDot8Int8(__m256i abs_codes, __m256i codes, const int8_t* x) {
+  const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), codes);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_codes, xs), _mm256_set1_epi16(1));
+}
+
+// The M rows' products with the codes of runs first .. first + count (at most 8) of one output,
+// added into acc with each run's scale * dx (scale_dx, lane r for run first + r).
+template <int M, bool kInt4>
+inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t first, int64_t count,
+                     const __m256 scale_dx[M], __m256 acc[M]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kInt4) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i lane_run = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // which run of the pair a lane belongs to
+    for (int64_t r = 0; r < count; r += 2) {
+      const int64_t run = first + r;
+      const uint8_t* at = codes + run * 16;
+      const __m256i v = count - r >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      const __m256i lanes = _mm256_add_epi32(lane_run, _mm256_set1_epi32(int32_t(r)));
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xs = x.Bytes(m) + run * kInt8Run;  // run is even: its pair's 64 bytes
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32))));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], lanes), acc[m]);
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t run = first + r;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + run * 32));
+      const __m256i magnitude = _mm256_abs_epi8(v), lane = _mm256_set1_epi32(int32_t(r));
+      for (int m = 0; m < M; ++m) {
+        const __m256 dot = _mm256_cvtepi32_ps(RunDot8Int8(magnitude, v, x.Bytes(m) + run * kInt8Run));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], lane), acc[m]);
+      }
+    }
+  }
+}
+
+// y[m * w.n + n] for the M rows of x and output n.
+template <int M, bool kInt4>
+void OutputDot8(const QuantWeights& w, const QuantizedX8& x, int64_t n, float* y) {
+  constexpr int64_t kRowBytes = kInt4 ? 16 : 32;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kInt8Run) * kRowBytes;
+  const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
+  if (ahead < w.n) PrefetchOutput(w, ahead);
+  __m256 acc[M], scale_dx[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t first = 0; first < runs; first += 8) {
+    const int64_t count = std::min<int64_t>(8, runs - first);
+    const __m256 scale = RunValues(w, w.scales, n, first, count);
+    for (int m = 0; m < M; ++m) {
+      if (kInt4 && w.offsets != nullptr)
+        acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m) + first), acc[m]);
+      scale_dx[m] = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m) + first));
+    }
+    AddRuns8<M, kInt4>(codes, x, first, count, scale_dx, acc);
+  }
+  for (int m = 0; m < M; ++m) y[m * w.n + n] = SumLanes(acc[m]);
+}
+
+}  // namespace jaxrunner_cpu
+
+#endif
