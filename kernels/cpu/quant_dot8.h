@@ -110,30 +110,43 @@ inline __m256i RunDot8Int8(__m256i abs_codes, __m256i codes, const int8_t* x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_codes, xs), _mm256_set1_epi16(1));
 }
 
+// Four pairs of int4 runs' int16 sums (pair p: 8 lanes of run 2p, then 8 of run 2p + 1, each lane
+// at most 4 * 15 * 127) as the 8 runs' int32 totals, in the lane order 0, 2, 4, 6, 1, 3, 5, 7.
+// vphaddw twice (lanes of at most 16 * 15 * 127 < 32768) and one vpmaddwd instead of a conversion,
+// a permute and an FMA per pair: a few percent faster over 48 runs, no slower over 18.
+inline __m256i PairSums8(const __m256i sums[4]) {
+  const __m256i runs_0246_1357 = _mm256_hadd_epi16(_mm256_hadd_epi16(sums[0], sums[1]), _mm256_hadd_epi16(sums[2], sums[3]));
+  return _mm256_madd_epi16(runs_0246_1357, _mm256_set1_epi16(1));
+}
+
 // The M rows' products with the codes of runs first .. first + count (at most 8) of one output,
 // added into acc with each run's scale * dx (scale_dx, lane r for run first + r).
 template <int M, bool kInt4>
 inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t first, int64_t count,
                      const __m256 scale_dx[M], __m256 acc[M]) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (kInt4) {
+  if constexpr (kInt4) {  // the 8 runs' sums summed across lanes into one vector (see PairSums8)
     const __m256i nibble = _mm256_set1_epi8(15);
-    const __m256i lane_run = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // which run of the pair a lane belongs to
-    for (int64_t r = 0; r < count; r += 2) {
-      const int64_t run = first + r;
-      const uint8_t* at = codes + run * 16;
-      const __m256i v = count - r >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
-                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-      const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      const __m256i lanes = _mm256_add_epi32(lane_run, _mm256_set1_epi32(int32_t(r)));
-      for (int m = 0; m < M; ++m) {
-        const int8_t* xs = x.Bytes(m) + run * kInt8Run;  // run is even: its pair's 64 bytes
-        const __m256i pairs = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32))));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], lanes), acc[m]);
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // the runs of PairSums8's lanes
+    __m256i lo[4], hi[4];
+    const int64_t pairs = (count + 1) / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* at = codes + (first + 2 * p) * 16;
+      const __m256i v = count - 2 * p >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                           : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      lo[p] = _mm256_and_si256(v, nibble);
+      hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xs = x.Bytes(m) + first * kInt8Run;  // first is a multiple of 8: pairs start here
+      __m256i sums[4];
+      for (int64_t p = 0; p < 4; ++p) {
+        sums[p] = p < pairs ? _mm256_add_epi16(
+                                  _mm256_maddubs_epi16(lo[p], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64 * p))),
+                                  _mm256_maddubs_epi16(hi[p], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 64 * p + 32))))
+                            : _mm256_setzero_si256();
       }
+      const __m256 dot = _mm256_cvtepi32_ps(PairSums8(sums));
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], order), acc[m]);
     }
   } else {
     for (int64_t r = 0; r < count; ++r) {
