@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import _bench_common as common  # noqa: E402
 import bench_history  # noqa: E402
 
-NAME = re.compile(r"^(?P<kind>[a-z]+(-tp\d+)?(-dp\d+)?-(float32|bfloat16)(-(int8|int4|w8a8))?)-(?P<date>\d{4}-\d\d-\d\d)-"
+NAME = re.compile(r"^(?P<kind>[a-z]+(-tp\d+)?(-dp\d+)?-(float32|bfloat16)(-(int8|int4|w4a8|w8a8))?)-(?P<date>\d{4}-\d\d-\d\d)-"
                   r"(?P<commit>[0-9a-f]{7,}|nogit)\.(json|png)$")
 
 

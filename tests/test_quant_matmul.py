@@ -198,18 +198,20 @@ def test_cpu_features_are_detected_not_assumed():
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("fmt,group", [("int8", 32), ("int4", 32)])
-def test_xla_path_lowers_for_gpu_and_tpu(platform, fmt, group):
+@pytest.mark.parametrize("fmt,group,activations", [("int8", 32, "float"), ("int4", 32, "float"), ("int4", 32, "int8")])
+def test_xla_path_lowers_for_gpu_and_tpu(platform, fmt, group, activations):
     """Accelerators take the XLA path: dequantize (int ops and a multiply-add) then one dot with
-    float32 accumulation; no host kernel in the program."""
+    float32 accumulation, after rounding x to int8 per run for "w4a8"; no host kernel in the program."""
     x, w, _ = _case(fmt, group, 32, jnp.bfloat16)  # more rows than the CPU kernel takes on this host
     matmuls = kernels.capabilities(platform).matmuls
     assert matmuls == kernels.XLA_MATMULS
+    matmuls = dataclasses.replace(matmuls, weight_only_activations=activations)
     with lowering_context(platform):
         text = jax.jit(functools.partial(linear.linear_f32, matmuls=matmuls)).trace(x, w).lower(
             lowering_platforms=(platform,)).as_text()
     assert "dot_general" in text and "custom_call" not in text
     assert ("ui8" if fmt == "int4" else "i8") in text
+    assert ("round_nearest_even" in text) == (activations == "int8")
 
 
 @needs_native
