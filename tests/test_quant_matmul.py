@@ -165,6 +165,11 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     assert _native_calls(linear_f32, x, w) == 1
     assert _native_calls(linear_f32, jnp.concatenate([x] * 4), w) == 1
     assert _native_calls(linear_f32, jnp.concatenate([x] * 5), w) == 0
+    rows = here.int8_dot_rows  # w4a8's int8 dot products, where this CPU has them (AVX2 without AVX-512)
+    assert rows == native.int8_dot_rows() and rows in (0, 64)
+    int8 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(here, weight_only_activations="int8"))
+    assert _native_calls(int8, jnp.concatenate([x] * 5), w) == (1 if rows >= 20 else 0)
+    assert _native_calls(int8, jnp.concatenate([x] * 17), w) == 0  # 68 rows: XLA's dot, on rounded x
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
     xla_bf16 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(here, onednn_weight_only=()))
@@ -274,11 +279,12 @@ def _rounded_oracle_bound(x, leaf):
 @needs_native
 @pytest.mark.parametrize("fmt,group,k", [("int8", 32, 192), ("int8", 32, 544), ("int4", 32, 192), ("int4", 32, 544),
                                          ("int4", 64, 576)])  # 544: an odd number of runs
-@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 64])
 @pytest.mark.parametrize("scales", [np.float32, np.float16])
 def test_native_kernel_with_int8_activations_matches_the_rounded_oracle(fmt, group, k, rows, scales):
-    """Up to four rows through the int8 dot products (AVX2) or the 16-bit ones on x's int8 grid,
-    more rows through the float form on that grid: each equals the oracle on Q8_1-rounded x."""
+    """With AVX2 alone, every row count up to ``native.int8_dot_rows()`` through the int8 dot
+    products (four rows at a time); elsewhere up to four rows through the 16-bit ones on x's
+    int8 grid, more through the float form on that grid: each equals the oracle on Q8_1-rounded x."""
     x, _, leaf = _case(fmt, group, rows, jnp.float32, k=k, seed=6)
     x = x * jnp.asarray(np.repeat(np.random.default_rng(7).uniform(0.01, 100, (rows, k // 32)), 32, axis=1),
                         jnp.float32)
@@ -305,7 +311,7 @@ def test_int8_activations_with_int8_codes_at_the_ends_of_their_range(rows):
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", 32), ("int4", 32)])
-@pytest.mark.parametrize("rows", [1, 3, linear.NATIVE_QUANT_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 3, linear.NATIVE_QUANT_ROWS + 3, 70])
 @pytest.mark.parametrize("where", ["here", "xla"])
 def test_every_path_multiplies_the_same_int8_activations(fmt, group, rows, where):
     """``weight_only_activations="int8"``: the native kernel (few rows), the weight it unpacks for
@@ -318,3 +324,16 @@ def test_every_path_multiplies_the_same_int8_activations(fmt, group, rows, where
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
     plain = np.asarray(jax.jit(functools.partial(linear.weight_only_matmul, matmuls=base))(x, w))
     assert np.max(np.abs(plain - want)) > 10 * np.max(np.abs(got - want))  # the rounding did happen
+
+
+def test_onednn_products_take_the_rounded_int8_activations():
+    """Where oneDNN takes weight-only products (bf16 rows on AMX CPUs), x is rounded before it as
+    on every other path: the program rounds, then calls oneDNN, and not the native kernel."""
+    if kernels.onednn_unavailable() is not None:
+        pytest.skip(f"oneDNN unavailable: {kernels.onednn_unavailable()}")
+    matmuls = dataclasses.replace(kernels.capabilities().matmuls, onednn_weight_only=("bfloat16",),
+                                  weight_only_activations="int8")
+    x, w, _ = _case("int4", 32, linear.ONEDNN_QUANT_MIN_ROWS + 3, jnp.bfloat16)
+    text = jax.jit(functools.partial(linear.weight_only_matmul, matmuls=matmuls)).lower(x, w).as_text()
+    assert "round_nearest_even" in text and "custom_call" in text
+    assert native.QUANT_MATMUL_TARGET_NAME not in text

@@ -64,17 +64,19 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     was several times slower), by XLA in ``x``'s dtype otherwise.
 
     With ``matmuls.weight_only_activations == "int8"`` (``"w4a8"``), ``x`` is rounded to int8 per
-    run of 32 inputs on every path: by the native kernel where it takes the product, by
+    run of 32 inputs on every path: by the native kernel where it takes the product (also up to
+    ``matmuls.int8_dot_rows`` rows, where it multiplies them as int8), by
     :func:`quant.round_activations_int8` before the others (bf16 activations then carry the
     rounded values in bf16)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    native_path = _native_quant_path(x2, w, matmuls)
+    onednn = (x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only
+              and kernels.quantized_matmul_supported(x2, w))
+    native_path = None if onednn else _native_quant_path(x2, w, matmuls)
     int8_activations = matmuls.weight_only_activations == "int8"
     if int8_activations and native_path != "matmul":  # the native kernel rounds them itself
         x2 = quant.round_activations_int8(x2).astype(x2.dtype)
-    if (x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only
-            and kernels.quantized_matmul_supported(x2, w)):
+    if onednn:
         out = kernels.onednn_quant_matmul(x2, w)
     elif native_path == "matmul":
         out = kernels.quantized_matmul_native(x2, w, int8_activations=int8_activations)
@@ -92,7 +94,8 @@ def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     for XLA's dot: many float32 rows) or None (XLA alone: the XLA choice, shapes, bf16 rows)."""
     if matmuls.weight_only != "native" or not kernels.quantized_matmul_supported(x, w):
         return None
-    if x.shape[0] <= NATIVE_QUANT_ROWS:
+    rows = x.shape[0]
+    if rows <= NATIVE_QUANT_ROWS or (matmuls.weight_only_activations == "int8" and rows <= matmuls.int8_dot_rows):
         return "matmul"
     return "dequantize" if x.dtype == jnp.float32 else None
 

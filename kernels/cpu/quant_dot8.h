@@ -119,10 +119,10 @@ inline __m256i PairSums8(const __m256i sums[4]) {
   return _mm256_madd_epi16(runs_0246_1357, _mm256_set1_epi16(1));
 }
 
-// The M rows' products with the codes of runs first .. first + count (at most 8) of one output,
+// The M rows' (from m0) products with the codes of runs first .. first + count (at most 8) of one output,
 // added into acc with each run's scale * dx (scale_dx, lane r for run first + r).
 template <int M, bool kInt4>
-inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t first, int64_t count,
+inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t m0, int64_t first, int64_t count,
                      const __m256 scale_dx[M], __m256 acc[M]) {
   if constexpr (kInt4) {  // the 8 runs' sums summed across lanes into one vector (see PairSums8)
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -137,7 +137,7 @@ inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t first, 
       hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
     }
     for (int m = 0; m < M; ++m) {
-      const int8_t* xs = x.Bytes(m) + first * kInt8Run;  // first is a multiple of 8: pairs start here
+      const int8_t* xs = x.Bytes(m0 + m) + first * kInt8Run;  // first is a multiple of 8: pairs start here
       __m256i sums[4];
       for (int64_t p = 0; p < 4; ++p) {
         sums[p] = p < pairs ? _mm256_add_epi16(
@@ -154,16 +154,16 @@ inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t first, 
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + run * 32));
       const __m256i magnitude = _mm256_abs_epi8(v), lane = _mm256_set1_epi32(int32_t(r));
       for (int m = 0; m < M; ++m) {
-        const __m256 dot = _mm256_cvtepi32_ps(RunDot8Int8(magnitude, v, x.Bytes(m) + run * kInt8Run));
+        const __m256 dot = _mm256_cvtepi32_ps(RunDot8Int8(magnitude, v, x.Bytes(m0 + m) + run * kInt8Run));
         acc[m] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(scale_dx[m], lane), acc[m]);
       }
     }
   }
 }
 
-// y[m * w.n + n] for the M rows of x and output n.
+// y[(m0 + m) * w.n + n] for the M rows of x from m0 and output n.
 template <int M, bool kInt4>
-void OutputDot8(const QuantWeights& w, const QuantizedX8& x, int64_t n, float* y) {
+void OutputDot8(const QuantWeights& w, const QuantizedX8& x, int64_t n, float* y, int64_t m0 = 0) {
   constexpr int64_t kRowBytes = kInt4 ? 16 : 32;
   const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kInt8Run) * kRowBytes;
   const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
@@ -175,12 +175,25 @@ void OutputDot8(const QuantWeights& w, const QuantizedX8& x, int64_t n, float* y
     const __m256 scale = RunValues(w, w.scales, n, first, count);
     for (int m = 0; m < M; ++m) {
       if (kInt4 && w.offsets != nullptr)
-        acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m) + first), acc[m]);
-      scale_dx[m] = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m) + first));
+        acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m0 + m) + first), acc[m]);
+      scale_dx[m] = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m0 + m) + first));
     }
-    AddRuns8<M, kInt4>(codes, x, first, count, scale_dx, acc);
+    AddRuns8<M, kInt4>(codes, x, m0, first, count, scale_dx, acc);
   }
-  for (int m = 0; m < M; ++m) y[m * w.n + n] = SumLanes(acc[m]);
+  for (int m = 0; m < M; ++m) y[(m0 + m) * w.n + n] = SumLanes(acc[m]);
+}
+
+// y[:, n] for every row of x: blocks of four rows, each reading output n's codes again (from cache).
+template <bool kInt4>
+void OutputDot8AllRows(const QuantWeights& w, const QuantizedX8& x, int64_t rows, int64_t n, float* y) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= rows; m0 += 4) OutputDot8<4, kInt4>(w, x, n, y, m0);
+  switch (rows - m0) {
+    case 3: OutputDot8<3, kInt4>(w, x, n, y, m0); break;
+    case 2: OutputDot8<2, kInt4>(w, x, n, y, m0); break;
+    case 1: OutputDot8<1, kInt4>(w, x, n, y, m0); break;
+    default: break;
+  }
 }
 
 }  // namespace jaxrunner_cpu

@@ -46,6 +46,10 @@ namespace {
 using namespace jaxrunner_cpu;
 
 constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
+// Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: with AVX2 alone they
+// beat dequantizing for XLA's dot up to 64 rows (SmolLM2's shapes, both cores), XLA's float32 dot
+// on float weights up to about 32.
+constexpr int kMaxInt8Rows = 64;
 constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
 constexpr int64_t kOutputsPerItem = 32;
 
@@ -333,7 +337,7 @@ void OutputsItem(const void* problem, int64_t item) {
 #if JAXRUNNER_QUANT_DOT8
   if (p.qx8 != nullptr) {
     const QuantWeights w = p.Weights(kInt4);
-    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot8<M, kInt4>(w, *p.qx8, n, p.y);
+    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot8AllRows<kInt4>(w, *p.qx8, p.rows, n, p.y);
     return;
   }
 #endif
@@ -357,6 +361,9 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
 
 template <typename QT>
 void RunRows(ffi::ThreadPool& pool, const Problem& p) {
+#if JAXRUNNER_QUANT_DOT8
+  if (p.qx8 != nullptr) return Run<1, QT>(pool, p);  // OutputsItem takes every row, M aside
+#endif
   if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
   switch (p.rows) {
     case 1: Run<1, QT>(pool, p); break;
@@ -405,7 +412,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
             static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
 #if JAXRUNNER_QUANT_DOT8
   std::unique_ptr<QuantizedX8> qx8;  // keeps its own sums of x, per run
-  if (x_int8 && rows <= kMaxRows) p.qx8 = (qx8 = std::make_unique<QuantizedX8>(x32.data(), rows, k, int4)).get();
+  if (x_int8 && rows <= kMaxInt8Rows) p.qx8 = (qx8 = std::make_unique<QuantizedX8>(x32.data(), rows, k, int4)).get();
   const bool int8_dot = p.qx8 != nullptr;
 #else
   const bool int8_dot = false;
@@ -487,3 +494,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] like scales (ignored without has_offsets)
                                   .Ret<ffi::AnyBuffer>()  // w [N, K] f32
                                   .Attr<int64_t>("has_offsets"));
+
+// Rows up to which x_int8 products are int8 dot products on this build, 0 where it has none (they
+// need AVX2 without AVX-512): kernels/native.py reads it once, the runner routes by it.
+extern "C" int64_t JaxrunnerCpuInt8DotRows() {
+#if JAXRUNNER_QUANT_DOT8
+  return kMaxInt8Rows;
+#else
+  return 0;
+#endif
+}
