@@ -44,8 +44,6 @@ MATMUL_TARGET_NAME = "jaxrunner_cpu_small_matmul"
 MATMUL_SYMBOL = "JaxrunnerCpuSmallMatmul"
 MATMUL_MAX_ROWS = 4
 QUANT_MATMUL_TARGET_NAME = "jaxrunner_cpu_quant_matmul"
-INT8_DOT_ROWS_SYMBOL = "JaxrunnerCpuInt8DotRows"
-_BUILT: dict[str, int] = {}  # what the loaded library reports about its build
 QUANT_MATMUL_SYMBOL = "JaxrunnerCpuQuantMatmul"
 DEQUANTIZE_TARGET_NAME = "jaxrunner_cpu_dequantize"
 DEQUANTIZE_SYMBOL = "JaxrunnerCpuDequantize"
@@ -144,9 +142,6 @@ def _load() -> None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(ROTARY_TARGET_NAME, jax.ffi.pycapsule(getattr(library, ROTARY_SYMBOL)),
                                 platform="cpu")
-    rows = getattr(library, INT8_DOT_ROWS_SYMBOL)
-    rows.restype = ctypes.c_int64
-    _BUILT["int8_dot_rows"] = int(rows())
 
 
 @functools.cache
@@ -167,13 +162,6 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
     return unavailable_reason() is None
-
-
-def int8_dot_rows() -> int:
-    """Rows up to which :func:`quantized_matmul_native` multiplies ``int8_activations`` as int8
-    dot products on this CPU (AVX2 without AVX-512, ``cpu/quant_dot8.h``); 0 where it has none or
-    the library is unavailable."""
-    return _BUILT.get("int8_dot_rows", 0) if available() else 0
 
 
 def _require() -> None:

@@ -82,9 +82,6 @@ class MatmulKernels:
       path (the ``"w4a8"`` quantization, ``models/quant.py``; the runner sets it from the
       engine's quantization). Not a place but a number format, handed down with the places
       because every product reads it.
-    * ``int8_dot_rows``: with ``weight_only_activations="int8"``, weight-only products of up to
-      this many rows go to the native kernel, which multiplies them as int8 dot products (AVX2
-      without AVX-512: :func:`native.int8_dot_rows`); 0: none beyond ``weight_only``'s own rows.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -99,7 +96,6 @@ class MatmulKernels:
     xla_weights_nk_min_inputs: int = 0
     elementwise: str = XLA
     weight_only_activations: str = "float"
-    int8_dot_rows: int = 0
 
     def __post_init__(self):
         if self.weight_only_activations not in WEIGHT_ONLY_ACTIVATIONS:
@@ -123,8 +119,6 @@ class MatmulKernels:
         if not isinstance(self.onednn_min_weight_bytes, int) or self.onednn_min_weight_bytes < 0:
             raise ValueError(f"MatmulKernels.onednn_min_weight_bytes: expected an integer >= 0, "
                              f"got {self.onednn_min_weight_bytes!r}")
-        if not isinstance(self.int8_dot_rows, int) or self.int8_dot_rows < 0:
-            raise ValueError(f"MatmulKernels.int8_dot_rows: expected an integer >= 0, got {self.int8_dot_rows!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -220,8 +214,7 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     nk_dtypes, nk_min_inputs = _xla_weights_nk() if device_count == 1 else ((), 0)
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
-                         xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel,
-                         int8_dot_rows=native.int8_dot_rows() if kernel == NATIVE else 0)
+                         xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel)
 
 
 def _xla_weights_nk() -> tuple[tuple[str, ...], int]:

@@ -64,8 +64,7 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     was several times slower), by XLA in ``x``'s dtype otherwise.
 
     With ``matmuls.weight_only_activations == "int8"`` (``"w4a8"``), ``x`` is rounded to int8 per
-    run of 32 inputs on every path: by the native kernel where it takes the product (also up to
-    ``matmuls.int8_dot_rows`` rows, where it multiplies them as int8), by
+    run of 32 inputs on every path: by the native kernel where it takes the product, by
     :func:`quant.round_activations_int8` before the others (bf16 activations then carry the
     rounded values in bf16)."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -94,8 +93,7 @@ def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     for XLA's dot: many float32 rows) or None (XLA alone: the XLA choice, shapes, bf16 rows)."""
     if matmuls.weight_only != "native" or not kernels.quantized_matmul_supported(x, w):
         return None
-    rows = x.shape[0]
-    if rows <= NATIVE_QUANT_ROWS or (matmuls.weight_only_activations == "int8" and rows <= matmuls.int8_dot_rows):
+    if x.shape[0] <= NATIVE_QUANT_ROWS:
         return "matmul"
     return "dequantize" if x.dtype == jnp.float32 else None
 

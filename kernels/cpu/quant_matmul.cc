@@ -46,10 +46,11 @@ namespace {
 using namespace jaxrunner_cpu;
 
 constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
-// Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: with AVX2 alone they
-// beat dequantizing for XLA's dot up to 64 rows (SmolLM2's shapes, both cores), XLA's float32 dot
-// on float weights up to about 32.
-constexpr int kMaxInt8Rows = 64;
+// Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: all that
+// models/linear.py sends here (NATIVE_QUANT_ROWS). Alone, SmolLM2's products of up to 32 rows ran
+// faster so than dequantized for XLA's dot, but serving batches of 17 to 64 rows through them
+// lowered throughput by a tenth.
+constexpr int kMaxInt8Rows = 16;
 constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
 constexpr int64_t kOutputsPerItem = 32;
 
@@ -494,13 +495,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] like scales (ignored without has_offsets)
                                   .Ret<ffi::AnyBuffer>()  // w [N, K] f32
                                   .Attr<int64_t>("has_offsets"));
-
-// Rows up to which x_int8 products are int8 dot products on this build, 0 where it has none (they
-// need AVX2 without AVX-512): kernels/native.py reads it once, the runner routes by it.
-extern "C" int64_t JaxrunnerCpuInt8DotRows() {
-#if JAXRUNNER_QUANT_DOT8
-  return kMaxInt8Rows;
-#else
-  return 0;
-#endif
-}
