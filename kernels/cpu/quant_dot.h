@@ -369,26 +369,38 @@ inline __m256 AddRuns(const uint8_t* codes, const QuantizedX& x, int m, int64_t 
   return acc;
 }
 
-// y[m * w.n + n] for the M rows of x and output n.
-template <int M, bool kInt4>
-void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
+// The walk over output n that both forms of x share (this one's QuantizedX, quant_dot8.h's int8
+// one): its runs in chunks of 8, each run's scale times x's dx for the M rows from m0, the int4
+// offsets times x's sums, and add_runs(codes, first, count, scale_dx, acc) adding the codes'
+// products; then y[(m0 + m) * w.n + n].
+template <int M, bool kInt4, typename X, typename AddRunsFn>
+void OutputChunks(const QuantWeights& w, const X& x, int64_t n, float* y, int64_t m0, AddRunsFn add_runs) {
   constexpr int64_t kRowBytes = kInt4 ? 16 : 32;
   const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kRunInputs) * kRowBytes;
   const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
   if (ahead < w.n) PrefetchOutput(w, ahead);
-  __m256 acc[M];
+  __m256 acc[M], scale_dx[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t first = 0; first < runs; first += 8) {
     const int64_t count = std::min<int64_t>(8, runs - first);
     const __m256 scale = RunValues(w, w.scales, n, first, count);
     for (int m = 0; m < M; ++m) {
       if (kInt4 && w.offsets != nullptr)
-        acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m) + first), acc[m]);
-      const __m256 scale_dx = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m) + first));
-      acc[m] = AddRuns<kInt4>(codes, x, m, first, count, scale_dx, acc[m]);
+        acc[m] = _mm256_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm256_loadu_ps(x.Sum(m0 + m) + first), acc[m]);
+      scale_dx[m] = _mm256_mul_ps(scale, _mm256_loadu_ps(x.Dx(m0 + m) + first));
     }
+    add_runs(codes, first, count, scale_dx, acc);
   }
-  for (int m = 0; m < M; ++m) y[m * w.n + n] = SumLanes(acc[m]);
+  for (int m = 0; m < M; ++m) y[(m0 + m) * w.n + n] = SumLanes(acc[m]);
+}
+
+// y[m * w.n + n] for the M rows of x and output n.
+template <int M, bool kInt4>
+void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
+  OutputChunks<M, kInt4>(w, x, n, y, 0, [&x](const uint8_t* codes, int64_t first, int64_t count,
+                                             const __m256* scale_dx, __m256* acc) {
+    for (int m = 0; m < M; ++m) acc[m] = AddRuns<kInt4>(codes, x, m, first, count, scale_dx[m], acc[m]);
+  });
 }
 
 #endif
