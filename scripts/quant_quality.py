@@ -13,8 +13,8 @@ and how often the argmax (the greedy next token) agrees; per format, the paragra
 Formats: ``float32``; ``bfloat16`` (every weight and the activations); ``int8`` and ``int4``
 (weight-only, quantized from the float32 weights, group 32; a tied embedding int8 per row);
 ``int4-gguf`` (the GGUF file's own blocks, kept as they are); ``w4a8`` and ``w4a8-gguf``, the same
-weights with the activations of their products rounded to int8 per run of 32 inputs (llama.cpp's
-own numbers for the GGUF file). From a 4-bit GGUF, "float32" is the file dequantized, so
+weights with the activations of their products rounded to int8 per run of 32 inputs (the rounding
+llama.cpp applies before its 4-bit dot products). From a 4-bit GGUF, "float32" is the file dequantized, so
 ``int4-gguf`` differs from it only by the order of float32 additions. Prints a JSON object, then
 a Markdown table.
 """

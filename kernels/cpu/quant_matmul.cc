@@ -16,8 +16,8 @@
 // the same through vpmaddwd.
 //
 // With x_int8 (the "w4a8" quantization), x is first rounded to int8 per run of 32 inputs, as
-// models/quant.py rounds it for XLA's path; with AVX2 alone, up to kMaxRows rows then multiply as
-// int8 (quant_dot8.h), and every other form takes x on that grid.
+// models/quant.py rounds it for XLA's path; with AVX2 alone, up to kMaxInt8Rows rows then multiply
+// as int8 (quant_dot8.h), and every other form takes x on that grid.
 //
 // Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
 // same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
@@ -47,9 +47,9 @@ using namespace jaxrunner_cpu;
 
 constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
 // Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: all that
-// models/linear.py sends here (NATIVE_QUANT_ROWS). Alone, SmolLM2's products of up to 32 rows ran
-// faster so than dequantized for XLA's dot, but serving batches of 17 to 64 rows through them
-// lowered throughput by a tenth.
+// models/linear.py sends here (NATIVE_QUANT_ROWS). SmolLM2's products of up to 32 rows, timed
+// alone, ran faster this way than dequantized for XLA's dot, but serving batches of 17 to 64 rows
+// through them lowered throughput by a tenth.
 constexpr int kMaxInt8Rows = 16;
 constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
 constexpr int64_t kOutputsPerItem = 32;
@@ -363,7 +363,7 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
 template <typename QT>
 void RunRows(ffi::ThreadPool& pool, const Problem& p) {
 #if JAXRUNNER_QUANT_DOT8
-  if (p.qx8 != nullptr) return Run<1, QT>(pool, p);  // OutputsItem takes every row, M aside
+  if (p.qx8 != nullptr) return Run<1, QT>(pool, p);  // M unused: OutputsItem walks every row
 #endif
   if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
   switch (p.rows) {
