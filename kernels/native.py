@@ -35,7 +35,7 @@ CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
            CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
-           CPU_DIR / "quant_dot8.h")
+           CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
 WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
@@ -124,8 +124,8 @@ def compiler() -> str:
     return found
 
 
-def _load() -> None:
-    """Build (or find) the library and register its handler with XLA."""
+def _load() -> ctypes.CDLL:
+    """Build (or find) the library and register its handlers with XLA."""
     cxx = compiler()
     path = library_path(TARGET_NAME, cxx, (*SOURCES, *HEADERS))
     if not path.exists():
@@ -142,22 +142,35 @@ def _load() -> None:
                                 platform="cpu")
     jax.ffi.register_ffi_target(ROTARY_TARGET_NAME, jax.ffi.pycapsule(getattr(library, ROTARY_SYMBOL)),
                                 platform="cpu")
+    return library
 
 
 @functools.cache
-def unavailable_reason() -> str | None:
-    """None when the kernel is ready; otherwise why it cannot be used here.
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None) once it is built and registered; (None, why not) otherwise.
 
     The build is tried once per process: a failure is remembered (a compiler that failed once
     fails again, and each try costs a compile) and logged once, as a warning naming the fallback.
     """
     try:
-        _load()
+        return _load(), None
     except (NativeKernelUnavailable, OSError, AttributeError, subprocess.SubprocessError) as err:
         logger.warning("native CPU kernel unavailable (%s); attention and the KV write use the XLA path "
                        "(attention_impl='xla'), one-row matmuls use XLA's dot", err)
-        return str(err)
-    return None
+        return None, str(err)
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is ready; otherwise why it cannot be used here."""
+    return _loaded()[1]
+
+
+def int8_gemm() -> bool:
+    """Whether the build for this CPU multiplies int4 weights by activations rounded to int8
+    (``"w4a8"``) as an integer GEMM at every row count (``cpu/quant_gemm8.h``: AVX2 without
+    AVX-512), as the library itself reports."""
+    library = _loaded()[0]
+    return library is not None and bool(library.JaxrunnerCpuInt8Gemm())
 
 
 def available() -> bool:

@@ -165,9 +165,16 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     assert _native_calls(linear_f32, x, w) == 1
     assert _native_calls(linear_f32, jnp.concatenate([x] * 4), w) == 1
     assert _native_calls(linear_f32, jnp.concatenate([x] * 5), w) == 0
-    int8 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(here, weight_only_activations="int8"))
-    assert _native_calls(int8, jnp.concatenate([x] * 4), w) == 1  # w4a8: the same routes
+    w4a8 = dataclasses.replace(here, weight_only_activations="int8", int8_gemm=False)
+    int8 = functools.partial(linear.linear_f32, matmuls=w4a8)
+    assert _native_calls(int8, jnp.concatenate([x] * 4), w) == 1  # w4a8 without the GEMM: the same routes
     assert _native_calls(int8, jnp.concatenate([x] * 5), w) == 0
+    gemm = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(w4a8, int8_gemm=True))
+    assert _native_calls(gemm, jnp.concatenate([x] * 40), w) == 1  # with it: every row count of int4 codes
+    assert _native_calls(gemm, jnp.concatenate([x] * 40).astype(jnp.bfloat16), w) == 1
+    x8, w8, _ = _case("int8", 32, 4, jnp.float32)
+    assert _native_calls(gemm, jnp.concatenate([x8] * 5), w8) == 0  # int8 codes: few rows only
+    assert kernels.choose_matmuls("xla")[0].int8_gemm is False  # the plain baseline keeps XLA's dot
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
     xla_bf16 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(here, onednn_weight_only=()))
@@ -198,6 +205,9 @@ def test_kernel_refuses_what_it_cannot_take():
 def test_cpu_features_are_detected_not_assumed():
     features = native.cpu_features()
     assert isinstance(features, list) and all(isinstance(f, str) for f in features)
+    if native.available():  # the library says whether it built the int8 GEMM: AVX2 without AVX-512
+        assert native.int8_gemm() == ("avx2" in features and "avx512f" not in features)
+        assert kernels.capabilities().matmuls.int8_gemm == native.int8_gemm()
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -277,13 +287,14 @@ def _rounded_oracle_bound(x, leaf):
 @needs_native
 @pytest.mark.parametrize("fmt,group,k", [("int8", 32, 192), ("int8", 32, 544), ("int4", 32, 192), ("int4", 32, 544),
                                          ("int4", 64, 576)])  # 544: an odd number of runs
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("rows,n", [(1, 80), (2, 80), (3, 80), (4, 40), (7, 80), (16, 24), (17, 8), (70, 88)])
 @pytest.mark.parametrize("scales", [np.float32, np.float16])
-def test_native_kernel_with_int8_activations_matches_the_rounded_oracle(fmt, group, k, rows, scales):
-    """With AVX2 alone, every row count the kernel takes (16) through the int8 dot products, four
-    rows at a time; elsewhere up to four rows through the 16-bit ones on x's int8 grid, more
-    through the float form on that grid: each equals the oracle on Q8_1-rounded x."""
-    x, _, leaf = _case(fmt, group, rows, jnp.float32, k=k, seed=6)
+def test_native_kernel_with_int8_activations_matches_the_rounded_oracle(fmt, group, k, rows, n, scales):
+    """With AVX2 alone, int4 codes from three rows through the panel GEMM (16 outputs a work item:
+    whole, part-filled, and under one panel), fewer rows and int8 codes through the per-output int8
+    dot products; elsewhere up to four rows through the 16-bit ones on x's int8 grid, more through
+    the float form on that grid: each equals the oracle on Q8_1-rounded x."""
+    x, _, leaf = _case(fmt, group, rows, jnp.float32, k=k, n=n, seed=6)
     x = x * jnp.asarray(np.repeat(np.random.default_rng(7).uniform(0.01, 100, (rows, k // 32)), 32, axis=1),
                         jnp.float32)
     leaf = {name: part if name == "packed" else part.astype(scales) for name, part in leaf.items()}
@@ -312,8 +323,9 @@ def test_int8_activations_with_int8_codes_at_the_ends_of_their_range(rows):
 @pytest.mark.parametrize("rows", [1, 3, linear.NATIVE_QUANT_ROWS + 3, 70])
 @pytest.mark.parametrize("where", ["here", "xla"])
 def test_every_path_multiplies_the_same_int8_activations(fmt, group, rows, where):
-    """``weight_only_activations="int8"``: the native kernel (few rows), the weight it unpacks for
-    XLA's dot (more float32 rows) and XLA alone all equal the oracle on Q8_1-rounded x."""
+    """``weight_only_activations="int8"``: the native kernel (few rows; every row count of int4
+    codes where it has the GEMM), the weight it unpacks for XLA's dot (more float32 rows) and XLA
+    alone all equal the oracle on Q8_1-rounded x."""
     base = kernels.capabilities().matmuls if where == "here" else kernels.XLA_MATMULS
     matmuls = dataclasses.replace(base, weight_only_activations="int8")
     x, w, leaf = _case(fmt, group, rows, jnp.float32, seed=8)

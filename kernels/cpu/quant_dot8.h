@@ -52,12 +52,13 @@ inline void RoundRunsToInt8Grid(float* x, int64_t rows, int64_t k) {
 
 namespace jaxrunner_cpu {
 
-// x [rows, k] rounded to int8 per run, in the byte order of the weights' kind (see the top), with
-// per-run dx and sum(q) * dx (what int4 offsets multiply), padded with zeros to a multiple of 8 runs.
+// x [rows, k] rounded to int8 per run, with per-run dx and sum(q) * dx (what int4 offsets multiply),
+// padded with zeros to a multiple of 8 runs. The bytes lie in input order, or with nibble_order in
+// the order int4 codes unpack in (see the top) for the per-output walk below.
 class QuantizedX8 {
  public:
-  QuantizedX8(const float* x, int64_t rows, int64_t k, bool int4)
-      : runs_(k / kInt8Run), padded_((runs_ + 7) / 8 * 8), int4_(int4), bytes_(rows * padded_ * kInt8Run, 0),
+  QuantizedX8(const float* x, int64_t rows, int64_t k, bool nibble_order)
+      : runs_(k / kInt8Run), padded_((runs_ + 7) / 8 * 8), nibble_order_(nibble_order), bytes_(rows * padded_ * kInt8Run, 0),
         dx_(rows * padded_, 0.0f), sum_(rows * padded_, 0.0f) {
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t r = 0; r < runs_; ++r) RoundRun(x + m * k + r * kInt8Run, m, r);
@@ -76,30 +77,35 @@ class QuantizedX8 {
       part[i] = _mm256_loadu_ps(x + 8 * i);
       magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, part[i]));
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, magnitude);
-    const float peak = *std::max_element(lanes, lanes + 8);
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(magnitude), _mm256_extractf128_ps(magnitude, 1));
+    half = _mm_max_ps(half, _mm_shuffle_ps(half, half, 0x4E));
+    const float peak = _mm_cvtss_f32(_mm_max_ps(half, _mm_shuffle_ps(half, half, 0xB1)));
     const __m256 inverse = _mm256_set1_ps(peak > 0.0f ? kInt8Max / peak : 0.0f);
-    alignas(32) int32_t q[kInt8Run];
-    for (int i = 0; i < 4; ++i)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)));
-    int32_t total = 0;
-    for (int32_t v : q) total += v;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse));
+    const __m256i lanes = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+    sums = _mm_add_epi32(sums, _mm_shuffle_epi32(sums, 0x4E));
+    const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(sums, _mm_shuffle_epi32(sums, 0xB1)));
     const int64_t slot = m * padded_ + r;
     dx_[slot] = peak * kInt8Step;
     sum_[slot] = float(total) * dx_[slot];
+    // The 32 integers as bytes in input order (packs interleave 128-bit lanes; the permute undoes it)
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     int8_t* out = bytes_.data() + m * padded_ * kInt8Run;
-    for (int i = 0; i < kInt8Run; ++i) out[Position(r, i)] = int8_t(q[i]);
-  }
-
-  // Where input i of run r lies in a row's bytes.
-  int64_t Position(int64_t r, int i) const {
-    if (!int4_) return r * kInt8Run + i;
-    return (r / 2) * 64 + (i / 16) * 32 + (r % 2) * 16 + i % 16;
+    if (!nibble_order_) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * kInt8Run), bytes);
+    } else {  // inputs 0..15 and 16..31 of run r where its codes' low and high nibbles meet them
+      int8_t* at = out + (r / 2) * 64 + (r % 2) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 32), _mm256_extracti128_si256(bytes, 1));
+    }
   }
 
   int64_t runs_, padded_;
-  bool int4_;
+  bool nibble_order_;
   std::vector<int8_t> bytes_;     // [rows, padded runs * 32]
   std::vector<float> dx_, sum_;   // [rows, padded runs]
 };

@@ -16,8 +16,9 @@
 // the same through vpmaddwd.
 //
 // With x_int8 (the "w4a8" quantization), x is first rounded to int8 per run of 32 inputs, as
-// models/quant.py rounds it for XLA's path; with AVX2 alone, up to kMaxInt8Rows rows then multiply
-// as int8 (quant_dot8.h), and every other form takes x on that grid.
+// models/quant.py rounds it for XLA's path; with AVX2 alone, the rows then multiply as int8: int4
+// weights' through the panel GEMM from kMinGemmRows rows (quant_gemm8.h), the rest up to
+// kMaxInt8Rows through the per-output walk (quant_dot8.h). Every other form takes x on that grid.
 //
 // Portable: GCC/Clang vector extensions compiled with -march=native (kernels/native.py), so the
 // same source becomes AVX-512, AVX2 or SSE code for the CPU it is built on.
@@ -31,6 +32,7 @@
 #include "helper_thread.h"
 #include "quant_dot.h"
 #include "quant_dot8.h"
+#include "quant_gemm8.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,10 +49,13 @@ using namespace jaxrunner_cpu;
 
 constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
 // Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: all that
-// models/linear.py sends here (NATIVE_QUANT_ROWS). SmolLM2's products of up to 32 rows, timed
-// alone, ran faster this way than dequantized for XLA's dot, but serving batches of 17 to 64 rows
-// through them lowered throughput by a tenth.
+// models/linear.py sends here of int8 weights (NATIVE_QUANT_ROWS).
 constexpr int kMaxInt8Rows = 16;
+// int4 weights with x_int8 from this many rows, any number of them: the panel GEMM
+// (quant_gemm8.h), which linear.py then sends every row count (MatmulKernels.int8_gemm). Its
+// packing costs more than it saves at up to three rows, where quant_dot8.h's walk stays.
+constexpr int64_t kMinGemmRows = 4;
+constexpr int64_t kGemmOutputs = 16;  // outputs per work item: two panels
 constexpr int64_t kRun = 32;           // inputs per run: 16 bytes of int4, 32 of int8
 constexpr int64_t kOutputsPerItem = 32;
 
@@ -89,6 +94,7 @@ struct Problem {
   const QuantizedX* qx = nullptr;  // x for the integer dot products (few rows), or null
 #if JAXRUNNER_QUANT_DOT8
   const QuantizedX8* qx8 = nullptr;  // x rounded to int8 for them (x_int8), or null
+  const QuantizedX8* gemm_x = nullptr;  // x rounded to int8 in input order for the panel GEMM, or null
 #endif
   QuantWeights Weights(bool int4) const { return {packed, scales, offsets, half_scales, int4, n, k, groups}; }
 #endif
@@ -360,8 +366,28 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
   RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { OutputsItem<M, QT>(&p, item); });
 }
 
+#if JAXRUNNER_QUANT_GEMM8
+void GemmItem(const void* problem, int64_t item) {
+  const Problem& p = *static_cast<const Problem*>(problem);
+  const int64_t n0 = item * kGemmOutputs;
+  PanelProduct(p.Weights(true), *p.gemm_x, p.rows, n0, std::min(kGemmOutputs, p.n - n0), p.y);
+}
+
+// On the helper's two threads unless XLA's pool has more and the product is large (the pool's
+// threads take about as long to wake as a small product takes).
+void RunGemm(ffi::ThreadPool& pool, const Problem& p) {
+  const int64_t items = (p.n + kGemmOutputs - 1) / kGemmOutputs;
+  if (pool.num_threads() <= kHelperThreads || (p.rows <= kMaxInt8Rows && p.n * p.k / 2 < kPooledBytes))
+    return HelperThread::Run(GemmItem, &p, items);
+  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { GemmItem(&p, item); });
+}
+#endif
+
 template <typename QT>
 void RunRows(ffi::ThreadPool& pool, const Problem& p) {
+#if JAXRUNNER_QUANT_GEMM8
+  if (p.gemm_x != nullptr) return RunGemm(pool, p);
+#endif
 #if JAXRUNNER_QUANT_DOT8
   if (p.qx8 != nullptr) return Run<1, QT>(pool, p);  // M unused: OutputsItem walks every row
 #endif
@@ -413,8 +439,12 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
             static_cast<float*>(y->untyped_data()), scales.element_type() == DataType::F16};
 #if JAXRUNNER_QUANT_DOT8
   std::unique_ptr<QuantizedX8> qx8;  // keeps its own sums of x, per run
-  if (x_int8 && rows <= kMaxInt8Rows) p.qx8 = (qx8 = std::make_unique<QuantizedX8>(x32.data(), rows, k, int4)).get();
-  const bool int8_dot = p.qx8 != nullptr;
+#if JAXRUNNER_QUANT_GEMM8
+  if (x_int8 && int4 && rows >= kMinGemmRows)
+    p.gemm_x = (qx8 = std::make_unique<QuantizedX8>(x32.data(), rows, k, false)).get();
+#endif
+  if (x_int8 && !qx8 && rows <= kMaxInt8Rows) p.qx8 = (qx8 = std::make_unique<QuantizedX8>(x32.data(), rows, k, int4)).get();
+  const bool int8_dot = qx8 != nullptr;
 #else
   const bool int8_dot = false;
 #endif
@@ -495,3 +525,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] like scales (ignored without has_offsets)
                                   .Ret<ffi::AnyBuffer>()  // w [N, K] f32
                                   .Attr<int64_t>("has_offsets"));
+
+// Whether this build multiplies int4 weights by int8-rounded x as a GEMM at every row count
+// (quant_gemm8.h): kernels/native.py asks once, and models/linear.py routes "w4a8" products by it.
+extern "C" int JaxrunnerCpuInt8Gemm() {
+#if JAXRUNNER_QUANT_GEMM8
+  return 1;
+#else
+  return 0;
+#endif
+}
