@@ -35,7 +35,8 @@ CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
            CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
-           CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h")
+           CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
+           CPU_DIR / "quant_gemm_f32.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
 WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
@@ -165,12 +166,13 @@ def unavailable_reason() -> str | None:
     return _loaded()[1]
 
 
-def int8_gemm() -> bool:
-    """Whether the build for this CPU multiplies int4 weights by activations rounded to int8
-    (``"w4a8"``) as an integer GEMM at every row count (``cpu/quant_gemm8.h``: AVX2 without
-    AVX-512), as the library itself reports."""
+def panel_gemm() -> bool:
+    """Whether the build for this CPU takes weight-only products of every row count as GEMMs over
+    panels of outputs (AVX2 without AVX-512): int4 codes times activations rounded to int8 for
+    ``"w4a8"`` (``cpu/quant_gemm8.h``), float32 otherwise (``cpu/quant_gemm_f32.h``), as the library
+    itself reports."""
     library = _loaded()[0]
-    return library is not None and bool(library.JaxrunnerCpuInt8Gemm())
+    return library is not None and bool(library.JaxrunnerCpuPanelGemm())
 
 
 def available() -> bool:

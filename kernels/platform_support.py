@@ -82,9 +82,9 @@ class MatmulKernels:
       path (the ``"w4a8"`` quantization, ``models/quant.py``; the runner sets it from the
       engine's quantization). Not a place but a number format, handed down with the places
       because every product reads it.
-    * ``int8_gemm``: with ``weight_only_activations == "int8"``, the native kernel takes int4
-      products of every row count, as an integer GEMM (:func:`native.int8_gemm`: AVX2 builds
-      without AVX-512, where its 8-bit multiplies outran XLA's float32 dot); False: few rows only.
+    * ``weight_only_gemm``: the native kernel takes weight-only products of every row count, as
+      GEMMs over panels of outputs (:func:`native.panel_gemm`: AVX2 builds without AVX-512, where
+      they outran dequantizing for XLA's dot); False: few rows only, more dequantized for XLA.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -99,7 +99,7 @@ class MatmulKernels:
     xla_weights_nk_min_inputs: int = 0
     elementwise: str = XLA
     weight_only_activations: str = "float"
-    int8_gemm: bool = False
+    weight_only_gemm: bool = False
 
     def __post_init__(self):
         if self.weight_only_activations not in WEIGHT_ONLY_ACTIVATIONS:
@@ -123,8 +123,8 @@ class MatmulKernels:
         if not isinstance(self.onednn_min_weight_bytes, int) or self.onednn_min_weight_bytes < 0:
             raise ValueError(f"MatmulKernels.onednn_min_weight_bytes: expected an integer >= 0, "
                              f"got {self.onednn_min_weight_bytes!r}")
-        if not isinstance(self.int8_gemm, bool):
-            raise ValueError(f"MatmulKernels.int8_gemm: expected True or False, got {self.int8_gemm!r}")
+        if not isinstance(self.weight_only_gemm, bool):
+            raise ValueError(f"MatmulKernels.weight_only_gemm: expected True or False, got {self.weight_only_gemm!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -221,7 +221,7 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
                          xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel,
-                         int8_gemm=kernel == NATIVE and native.int8_gemm())
+                         weight_only_gemm=kernel == NATIVE and native.panel_gemm())
 
 
 def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
@@ -266,7 +266,7 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
         return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=(),
-                                   int8_gemm=False), "asked for"
+                                   weight_only_gemm=False), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:

@@ -59,10 +59,12 @@ def _assert_kernel_within_bound(x, leaf):
 
 @needs_native
 @pytest.mark.parametrize("fmt,group", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("rows,n", [(1, 80), (2, 80), (4, 80), (7, 40), (16, 8), (70, 88)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_native_kernel_matches_float64_oracle(fmt, group, rows, dtype):
-    x, w, leaf = _case(fmt, group, rows, dtype)
+def test_native_kernel_matches_float64_oracle(fmt, group, rows, n, dtype):
+    """Few rows stream the codes; more go through the float32 panel GEMM (AVX2; 16 outputs a work
+    item: whole, part-filled and under one panel) or the tiles elsewhere."""
+    x, w, leaf = _case(fmt, group, rows, dtype, n=n)
     got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
     want, _ = _oracle(x, leaf)
     assert got.dtype == np.float32 and got.shape == want.shape
@@ -159,25 +161,27 @@ def _native_calls(fn, *args) -> int:
 def test_few_rows_go_to_the_kernel_and_more_to_xla():
     here = kernels.capabilities().matmuls  # one CPU device in this process: the native kernel
     assert here.weight_only == "native"
-    linear_f32 = functools.partial(linear.linear_f32, matmuls=here)
+    few = dataclasses.replace(here, weight_only_gemm=False)  # the routes without the panel GEMMs
+    linear_f32 = functools.partial(linear.linear_f32, matmuls=few)
     x, w, _ = _case("int4", 32, 4, jnp.float32)
     assert _native_calls(linear_f32, x[:1], w) == 1
     assert _native_calls(linear_f32, x, w) == 1
     assert _native_calls(linear_f32, jnp.concatenate([x] * 4), w) == 1
     assert _native_calls(linear_f32, jnp.concatenate([x] * 5), w) == 0
-    w4a8 = dataclasses.replace(here, weight_only_activations="int8", int8_gemm=False)
-    int8 = functools.partial(linear.linear_f32, matmuls=w4a8)
-    assert _native_calls(int8, jnp.concatenate([x] * 4), w) == 1  # w4a8 without the GEMM: the same routes
+    int8 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(few, weight_only_activations="int8"))
+    assert _native_calls(int8, jnp.concatenate([x] * 4), w) == 1  # w4a8: the same routes
     assert _native_calls(int8, jnp.concatenate([x] * 5), w) == 0
-    gemm = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(w4a8, int8_gemm=True))
-    assert _native_calls(gemm, jnp.concatenate([x] * 40), w) == 1  # with it: every row count of int4 codes
-    assert _native_calls(gemm, jnp.concatenate([x] * 40).astype(jnp.bfloat16), w) == 1
     x8, w8, _ = _case("int8", 32, 4, jnp.float32)
-    assert _native_calls(gemm, jnp.concatenate([x8] * 5), w8) == 0  # int8 codes: few rows only
-    assert kernels.choose_matmuls("xla")[0].int8_gemm is False  # the plain baseline keeps XLA's dot
+    for activations in ("float", "int8"):  # with them: every row count, every format and dtype
+        gemm = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(
+            few, weight_only_gemm=True, weight_only_activations=activations))
+        for rows in (jnp.concatenate([x] * 40), jnp.concatenate([x] * 40).astype(jnp.bfloat16)):
+            assert _native_calls(gemm, rows, w) == 1
+        assert _native_calls(gemm, jnp.concatenate([x8] * 5), w8) == 1
+    assert kernels.choose_matmuls("xla")[0].weight_only_gemm is False  # the plain baseline keeps XLA's dot
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
-    xla_bf16 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(here, onednn_weight_only=()))
+    xla_bf16 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(few, onednn_weight_only=()))
     assert jax.jit(xla_bf16).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0  # oneDNN's: elsewhere
     assert _native_calls(linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
                                                   "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
@@ -205,9 +209,9 @@ def test_kernel_refuses_what_it_cannot_take():
 def test_cpu_features_are_detected_not_assumed():
     features = native.cpu_features()
     assert isinstance(features, list) and all(isinstance(f, str) for f in features)
-    if native.available():  # the library says whether it built the int8 GEMM: AVX2 without AVX-512
-        assert native.int8_gemm() == ("avx2" in features and "avx512f" not in features)
-        assert kernels.capabilities().matmuls.int8_gemm == native.int8_gemm()
+    if native.available():  # the library says whether it built the panel GEMMs: AVX2 without AVX-512
+        assert native.panel_gemm() == ("avx2" in features and "avx512f" not in features)
+        assert kernels.capabilities().matmuls.weight_only_gemm == native.panel_gemm()
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

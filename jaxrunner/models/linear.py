@@ -55,8 +55,7 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     """``x`` [..., K] times a weight-only leaf ([N, K] orientation), float32 result.
 
     With the native weight-only kernel (``matmuls.weight_only``: one CPU device), up to
-    ``NATIVE_QUANT_ROWS`` rows go to it (every row count of ``"w4a8"``'s int4 products where
-    ``matmuls.int8_gemm``): it unpacks the weights in registers and reads each byte
+    ``NATIVE_QUANT_ROWS`` rows go to it (every row count where ``matmuls.weight_only_gemm``): it unpacks the weights in registers and reads each byte
     once (a batch-1 decode streams the whole model per token, so bytes are time; a batch of decodes
     likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
     ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead, the weight unpacked a
@@ -94,8 +93,7 @@ def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     for XLA's dot: many float32 rows) or None (XLA alone: the XLA choice, shapes, bf16 rows)."""
     if matmuls.weight_only != "native" or not kernels.quantized_matmul_supported(x, w):
         return None
-    int8_gemm = matmuls.int8_gemm and matmuls.weight_only_activations == "int8" and w["packed"].dtype == jnp.uint8
-    if x.shape[0] <= NATIVE_QUANT_ROWS or int8_gemm:
+    if x.shape[0] <= NATIVE_QUANT_ROWS or matmuls.weight_only_gemm:
         return "matmul"
     return "dequantize" if x.dtype == jnp.float32 else None
 

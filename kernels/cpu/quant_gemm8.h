@@ -114,18 +114,13 @@ inline void PanelRows(const Panel8 panel[2], const QuantizedX8& x, int64_t m0, i
       }
     }
   }
+  alignas(32) float lanes[M][2 * kPanelOutputs];  // unrolled: see quant_gemm_f32.h
+#pragma GCC unroll 4
   for (int m = 0; m < M; ++m) {
-    float* out = y + (m0 + m) * n + n0;
-    if (count == 2 * kPanelOutputs) {
-      _mm256_storeu_ps(out, acc[0][m]);
-      _mm256_storeu_ps(out + kPanelOutputs, acc[1][m]);
-    } else {
-      alignas(32) float lanes[2 * kPanelOutputs];
-      _mm256_store_ps(lanes, acc[0][m]);
-      _mm256_store_ps(lanes + kPanelOutputs, acc[1][m]);
-      std::memcpy(out, lanes, count * sizeof(float));
-    }
+    _mm256_store_ps(lanes[m], acc[0][m]);
+    _mm256_store_ps(lanes[m] + kPanelOutputs, acc[1][m]);
   }
+  for (int m = 0; m < M; ++m) std::memcpy(y + (m0 + m) * n + n0, lanes[m], count * sizeof(float));
 }
 
 // y[:, n0 .. n0 + count) (count <= 16) for every row of x: two panels packed once, then the rows

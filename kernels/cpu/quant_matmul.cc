@@ -33,6 +33,7 @@
 #include "quant_dot.h"
 #include "quant_dot8.h"
 #include "quant_gemm8.h"
+#include "quant_gemm_f32.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,12 +48,12 @@ namespace {
 
 using namespace jaxrunner_cpu;
 
-constexpr int kMaxRows = 4;  // rows of the streaming path; more go through TileItem
+constexpr int kMaxRows = 4;  // rows of the streaming path; more go through the panel GEMMs (AVX2) or TileItem
 // Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: all that
 // models/linear.py sends here of int8 weights (NATIVE_QUANT_ROWS).
 constexpr int kMaxInt8Rows = 16;
 // int4 weights with x_int8 from this many rows, any number of them: the panel GEMM
-// (quant_gemm8.h), which linear.py then sends every row count (MatmulKernels.int8_gemm). Its
+// (quant_gemm8.h), which linear.py then sends every row count (MatmulKernels.weight_only_gemm). Its
 // packing costs more than it saves at up to three rows, where quant_dot8.h's walk stays.
 constexpr int64_t kMinGemmRows = 4;
 constexpr int64_t kGemmOutputs = 16;  // outputs per work item: two panels
@@ -367,29 +368,34 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
 }
 
 #if JAXRUNNER_QUANT_GEMM8
+// Sixteen outputs for every row: int4 codes times x rounded to int8 (gemm_x), or float32 panels.
+template <typename QT>
 void GemmItem(const void* problem, int64_t item) {
   const Problem& p = *static_cast<const Problem*>(problem);
-  const int64_t n0 = item * kGemmOutputs;
-  PanelProduct(p.Weights(true), *p.gemm_x, p.rows, n0, std::min(kGemmOutputs, p.n - n0), p.y);
+  constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
+  const int64_t n0 = item * kGemmOutputs, count = std::min(kGemmOutputs, p.n - n0);
+  if (p.gemm_x != nullptr) PanelProduct(p.Weights(kInt4), *p.gemm_x, p.rows, n0, count, p.y);
+  else FloatPanelProduct<kInt4>(p.Weights(kInt4), p.x, p.rows, n0, count, p.y);
 }
 
 // On the helper's two threads unless XLA's pool has more and the product is large (the pool's
 // threads take about as long to wake as a small product takes).
+template <typename QT>
 void RunGemm(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t items = (p.n + kGemmOutputs - 1) / kGemmOutputs;
   if (pool.num_threads() <= kHelperThreads || (p.rows <= kMaxInt8Rows && p.n * p.k / 2 < kPooledBytes))
-    return HelperThread::Run(GemmItem, &p, items);
-  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { GemmItem(&p, item); });
+    return HelperThread::Run(GemmItem<QT>, &p, items);
+  RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { GemmItem<QT>(&p, item); });
 }
 #endif
 
 template <typename QT>
 void RunRows(ffi::ThreadPool& pool, const Problem& p) {
-#if JAXRUNNER_QUANT_GEMM8
-  if (p.gemm_x != nullptr) return RunGemm(pool, p);
-#endif
 #if JAXRUNNER_QUANT_DOT8
   if (p.qx8 != nullptr) return Run<1, QT>(pool, p);  // M unused: OutputsItem walks every row
+#endif
+#if JAXRUNNER_QUANT_GEMM8
+  if (p.gemm_x != nullptr || p.rows > kMaxRows) return RunGemm<QT>(pool, p);
 #endif
   if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
   switch (p.rows) {
@@ -449,12 +455,13 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   const bool int8_dot = false;
 #endif
   if (x_int8 && !int8_dot) RoundRunsToInt8Grid(x32.data(), rows, k);  // the float forms take x on its int8 grid
+  bool group_sums = rows <= kMaxRows && !int8_dot;  // the streaming path's offsets multiply x's group sums
 #if JAXRUNNER_QUANT_DOT
   std::unique_ptr<QuantizedX> qx;  // keeps its own sums of x, per run
-  if (rows <= kMaxRows && !int8_dot) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
-  if (p.qx == nullptr && !int8_dot)
+  if (group_sums) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
+  group_sums = group_sums && p.qx == nullptr;
 #endif
-  {
+  if (group_sums) {
     const int64_t group = k / groups;
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / group] += x32[m * k + i];
@@ -526,9 +533,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
                                   .Ret<ffi::AnyBuffer>()  // w [N, K] f32
                                   .Attr<int64_t>("has_offsets"));
 
-// Whether this build multiplies int4 weights by int8-rounded x as a GEMM at every row count
-// (quant_gemm8.h): kernels/native.py asks once, and models/linear.py routes "w4a8" products by it.
-extern "C" int JaxrunnerCpuInt8Gemm() {
+// Whether this build has the panel GEMMs (quant_gemm8.h, quant_gemm_f32.h), which take products of
+// every row count: kernels/native.py asks once, and models/linear.py routes products by it.
+extern "C" int JaxrunnerCpuPanelGemm() {
 #if JAXRUNNER_QUANT_GEMM8
   return 1;
 #else
