@@ -17,7 +17,8 @@ from jaxrunner.models import lora, packed_weights, quant
 NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured slower than XLA at 4)
 # Rows the native quantized matmul takes. Up to 4 rows it streams the packed weights through
 # registers; up to 16 its tiled path still beat dequantize-then-dot in XLA, but a 128-row prefill
-# chunk ran faster through XLA's dot.
+# chunk ran faster through XLA's dot. Where it has the panel GEMMs (``matmuls.weight_only_gemm``)
+# it takes every row count.
 NATIVE_QUANT_ROWS = 16
 # Where oneDNN takes weight-only products (``MatmulKernels.onednn_weight_only``), it does from this
 # many rows: on AMX it ran 1.0-1.8x the native kernel at 5-6 rows, 1.0-1.9x at 8, 1.6-2.9x at 16,
