@@ -39,7 +39,7 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      onednn_weight_only=caps.matmuls.onednn_weight_only,
                                                      xla_weights_nk=caps.matmuls.xla_weights_nk,
                                                      xla_weights_nk_min_inputs=caps.matmuls.xla_weights_nk_min_inputs,
-                                                     elementwise="native")
+                                                     elementwise="native", weight_only_gemm=native.panel_gemm())
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")
@@ -52,7 +52,7 @@ def test_capabilities_of_other_platforms_and_device_counts():
     several = kernels.capabilities("cpu", device_count=8)
     assert several.matmuls.one_row == several.matmuls.weight_only == "xla"  # sharded programs keep XLA's dot
     assert several.matmuls.onednn_dtypes == () == several.matmuls.onednn_weight_only
-    assert not several.matmuls.xla_weights_nk
+    assert not several.matmuls.xla_weights_nk and not several.matmuls.weight_only_gemm
     assert several.matmuls.min_16bit_rows == 4                             # XLA:CPU's one-row GEMV
     for name in ("gpu", "cuda"):
         gpu = kernels.capabilities(name)
