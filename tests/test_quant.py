@@ -104,8 +104,9 @@ def test_quantized_engine_agrees_with_float_and_never_compiles_while_serving(
     layer = llm.engine.model.params["layers"][0]
     assert quant.is_weight_only(layer["w_down"]) == (quantization != "w8a8")
     assert quant.is_int4(layer["w_down"]) == (quantization in ("int4", "w4a8"))
-    rounds = llm.engine.executor.runner.matmuls.weight_only_activations
-    assert rounds == ("int8" if quantization == "w4a8" else "float")
+    matmuls = llm.engine.executor.runner.matmuls
+    assert matmuls.weight_only_activations == ("int8" if quantization == "w4a8" else "float")
+    assert ("native panel GEMMs" in llm.startup_report["cpu_matmul"]) == matmuls.weight_only_gemm
     with count_compilations() as compiles:
         got = _greedy(llm, prompts)
         _greedy(llm, prompts[:1])  # a one-sequence decode: the native kernel's few-row path

@@ -92,7 +92,8 @@ def choose_matmuls(config: EngineConfig, platform: str):
 
 def _matmul_summary(matmuls) -> str:
     """For the report: "onednn (bfloat16/float32 weights of 8+ MiB, packed; int8/int4 weights with
-    bfloat16 activations)" or "xla"."""
+    bfloat16 activations)" or "xla", and where the native kernel's panel GEMMs take the weight-only
+    products of every row count, "; int8/int4 weights: native panel GEMMs at every row count"."""
     parts = []
     if matmuls.onednn_dtypes:
         parts.append(f"{'/'.join(matmuls.onednn_dtypes)} weights of {matmuls.onednn_min_weight_bytes >> 20}+ MiB, "
@@ -103,7 +104,10 @@ def _matmul_summary(matmuls) -> str:
     if matmuls.xla_weights_nk:
         inputs = f" of {matmuls.xla_weights_nk_min_inputs}+ inputs" if matmuls.xla_weights_nk_min_inputs else ""
         xla = f"xla (the other {'/'.join(matmuls.xla_weights_nk)} weights{inputs} transposed)"
-    return f"onednn ({'; '.join(parts)}), {xla}" if parts else xla
+    summary = f"onednn ({'; '.join(parts)}), {xla}" if parts else xla
+    if matmuls.weight_only_gemm:
+        summary += "; int8/int4 weights: native panel GEMMs at every row count"
+    return summary
 
 
 def default_kv_cache_dtype(dtype: str, platform: str, attention_impl: str = "xla") -> str:
