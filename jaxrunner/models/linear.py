@@ -56,9 +56,9 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     """``x`` [..., K] times a weight-only leaf ([N, K] orientation), float32 result.
 
     With the native weight-only kernel (``matmuls.weight_only``: one CPU device), up to
-    ``NATIVE_QUANT_ROWS`` rows go to it (every row count where ``matmuls.weight_only_gemm``): it unpacks the weights in registers and reads each byte
-    once (a batch-1 decode streams the whole model per token, so bytes are time; a batch of decodes
-    likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
+    ``NATIVE_QUANT_ROWS`` rows go to it, every row count where ``matmuls.weight_only_gemm``: it
+    unpacks the weights in registers and reads each byte once (a batch-1 decode streams the whole
+    model per token, so bytes are time; a batch of decodes likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
     ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead, the weight unpacked a
     tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
     the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own unpacking fusion

@@ -50,7 +50,8 @@ using namespace jaxrunner_cpu;
 
 constexpr int kMaxRows = 4;  // rows of the streaming path; more go through the panel GEMMs (AVX2) or TileItem
 // Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: all that
-// models/linear.py sends here of int8 weights (NATIVE_QUANT_ROWS).
+// models/linear.py sends here without the panel GEMMs (NATIVE_QUANT_ROWS). With them, int8 codes
+// of more rows take the float32 panel GEMM on x's int8 grid.
 constexpr int kMaxInt8Rows = 16;
 // int4 weights with x_int8 from this many rows, any number of them: the panel GEMM
 // (quant_gemm8.h), which linear.py then sends every row count (MatmulKernels.weight_only_gemm). Its
@@ -383,7 +384,8 @@ void GemmItem(const void* problem, int64_t item) {
 template <typename QT>
 void RunGemm(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t items = (p.n + kGemmOutputs - 1) / kGemmOutputs;
-  if (pool.num_threads() <= kHelperThreads || (p.rows <= kMaxInt8Rows && p.n * p.k / 2 < kPooledBytes))
+  const int64_t packed_bytes = std::is_same<QT, uint8_t>::value ? p.n * p.k / 2 : p.n * p.k;
+  if (pool.num_threads() <= kHelperThreads || (p.rows <= kMaxInt8Rows && packed_bytes < kPooledBytes))
     return HelperThread::Run(GemmItem<QT>, &p, items);
   RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { GemmItem<QT>(&p, item); });
 }
