@@ -73,6 +73,23 @@ def test_native_kernel_matches_float64_oracle(fmt, group, rows, n, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("n", [44, 88])
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("scales", [np.float32, np.float16])
+def test_one_row_equals_its_row_in_a_batch(fmt, group, n, int8_activations, scales):
+    """A decode's product does not depend on what else is in the batch: one row alone (on AVX2,
+    eight outputs summed together, then the last few alone) gives the same floats as that row
+    among two or three, where each output is summed alone."""
+    x, _, leaf = _case(fmt, group, 3, jnp.float32, k=576, n=n, seed=11)
+    w = {name: jnp.asarray(part if name == "packed" else part.astype(scales)) for name, part in leaf.items()}
+    product = jax.jit(functools.partial(native.quantized_matmul_native, int8_activations=int8_activations))
+    alone = np.asarray(product(x[:1], w))
+    for rows in (2, 3):
+        np.testing.assert_array_equal(alone, np.asarray(product(x[:rows], w))[:1])
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("k,group", [(32, 32), (544, 32), (576, 64)])
 @pytest.mark.parametrize("rows", [1, 3])

@@ -184,13 +184,24 @@ inline void AddRuns8(const uint8_t* codes, const QuantizedX8& x, int64_t m0, int
   }
 }
 
+// add_runs for OutputChunks: the M rows' (from m0) products by AddRuns8.
+template <int M, bool kInt4>
+auto RowsAddRuns8(const QuantizedX8& x, int64_t m0) {
+  return [&x, m0](const uint8_t* codes, int64_t first, int64_t count, const __m256* scale_dx, __m256* acc) {
+    AddRuns8<M, kInt4>(codes, x, m0, first, count, scale_dx, acc);
+  };
+}
+
 // y[(m0 + m) * w.n + n] for the M rows of x from m0 and output n.
 template <int M, bool kInt4>
 void OutputDot8(const QuantWeights& w, const QuantizedX8& x, int64_t n, float* y, int64_t m0 = 0) {
-  OutputChunks<M, kInt4>(w, x, n, y, m0, [&x, m0](const uint8_t* codes, int64_t first, int64_t count,
-                                                  const __m256* scale_dx, __m256* acc) {
-    AddRuns8<M, kInt4>(codes, x, m0, first, count, scale_dx, acc);
-  });
+  OutputChunks<M, kInt4>(w, x, n, y, m0, RowsAddRuns8<M, kInt4>(x, m0));
+}
+
+// y[n0 .. n0 + 8) of a one-row x.
+template <bool kInt4>
+void EightOutputsDot8(const QuantWeights& w, const QuantizedX8& x, int64_t n0, float* y) {
+  EightOutputs<kInt4>(w, x, n0, y, RowsAddRuns8<1, kInt4>(x, 0));
 }
 
 // y[:, n] for every row of x: blocks of four rows, each reading output n's codes again (from cache).

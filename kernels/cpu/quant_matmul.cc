@@ -346,13 +346,21 @@ void OutputsItem(const void* problem, int64_t item) {
 #if JAXRUNNER_QUANT_DOT8
   if (p.qx8 != nullptr) {
     const QuantWeights w = p.Weights(kInt4);
-    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot8AllRows<kInt4>(w, *p.qx8, p.rows, n, p.y);
+    int64_t n = item * kOutputsPerItem;
+    if (p.rows == 1)
+      for (; n + 8 <= n1; n += 8) EightOutputsDot8<kInt4>(w, *p.qx8, n, p.y);
+    for (; n < n1; ++n) OutputDot8AllRows<kInt4>(w, *p.qx8, p.rows, n, p.y);
     return;
   }
 #endif
   if (p.qx != nullptr) {
     const QuantWeights w = p.Weights(kInt4);
-    for (int64_t n = item * kOutputsPerItem; n < n1; ++n) OutputDot<M, kInt4>(w, *p.qx, n, p.y);
+    int64_t n = item * kOutputsPerItem;
+#if JAXRUNNER_QUANT_DOT_AVX2
+    if constexpr (M == 1)
+      for (; n + 8 <= n1; n += 8) EightOutputsDot<kInt4>(w, *p.qx, n, p.y);
+#endif
+    for (; n < n1; ++n) OutputDot<M, kInt4>(w, *p.qx, n, p.y);
     return;
   }
 #endif
