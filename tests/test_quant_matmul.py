@@ -189,12 +189,17 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     assert _native_calls(int8, jnp.concatenate([x] * 4), w) == 1  # w4a8: the same routes
     assert _native_calls(int8, jnp.concatenate([x] * 5), w) == 0
     x8, w8, _ = _case("int8", 32, 4, jnp.float32)
-    for activations in ("float", "int8"):  # with them: every row count, every format and dtype
+    chunk = jnp.concatenate([x] * (linear.DEQUANTIZE_MIN_ROWS // 4))  # a full prefill chunk
+    for activations in ("float", "int8"):  # with them: every row count, every format and dtype...
         gemm = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(
             few, weight_only_gemm=True, weight_only_activations=activations))
-        for rows in (jnp.concatenate([x] * 40), jnp.concatenate([x] * 40).astype(jnp.bfloat16)):
+        for rows in (jnp.concatenate([x] * 40), jnp.concatenate([x] * 40).astype(jnp.bfloat16), chunk.astype(jnp.bfloat16)):
             assert _native_calls(gemm, rows, w) == 1
         assert _native_calls(gemm, jnp.concatenate([x8] * 5), w8) == 1
+        # ...but XLA's dot on the unpacked weight for float32 chunks, unless x is rounded to int8
+        unpacked = jax.jit(gemm).lower(chunk, w).as_text().count(native.DEQUANTIZE_TARGET_NAME)
+        assert (unpacked, _native_calls(gemm, chunk, w)) == ((0, 1) if activations == "int8" else (1, 0))
+        assert _native_calls(gemm, chunk[:-4], w) == 1
     assert kernels.choose_matmuls("xla")[0].weight_only_gemm is False  # the plain baseline keeps XLA's dot
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
