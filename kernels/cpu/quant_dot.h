@@ -189,7 +189,11 @@ class QuantizedX {
 // Asks for output n's codes and scales a few kilobytes before they are read. Without it the
 // integer dot products waited on memory: one row is a few hundred bytes of codes in three streams
 // (codes, scales, offsets), and the SmolLM2 batch-1 int4 step took 14-15 ms without it and
-// 10-11 ms with it (two alternating pairs of the latency benchmark).
+// 10-11 ms with it (two alternating pairs of the latency benchmark). The AVX2 form's int4 walk
+// goes without it (OutputSums): on an AVX2 EPYC its prefetches cost a sixth of one core's rate on
+// weights in cache and gained nothing from memory on both cores, and w4a8's batch-1 TPOT was 6 %
+// better without them (three of four alternating pairs; int4's within noise). The int8 head still
+// reads faster with them.
 inline void PrefetchOutput(const QuantWeights& w, int64_t n) {
   const int64_t row_bytes = w.int4 ? w.k / 2 : w.k, scale_bytes = w.groups * (w.half_scales ? 2 : 4);
   const char* codes = static_cast<const char*>(w.packed) + n * row_bytes;
@@ -391,8 +395,11 @@ template <int M, bool kInt4, typename X, typename AddRunsFn>
 inline void OutputSums(const QuantWeights& w, const X& x, int64_t n, int64_t m0, AddRunsFn add_runs, __m256 acc[M]) {
   constexpr int64_t kRowBytes = kInt4 ? 16 : 32;
   const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kRunInputs) * kRowBytes;
-  const int64_t runs = x.runs(), ahead = PrefetchAhead(w, n);
-  if (ahead < w.n) PrefetchOutput(w, ahead);
+  if constexpr (!kInt4) {  // int4 codes: see PrefetchOutput
+    const int64_t ahead = PrefetchAhead(w, n);
+    if (ahead < w.n) PrefetchOutput(w, ahead);
+  }
+  const int64_t runs = x.runs();
   __m256 scale_dx[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t first = 0; first < runs; first += 8) {
