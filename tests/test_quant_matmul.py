@@ -90,6 +90,24 @@ def test_one_row_equals_its_row_in_a_batch(fmt, group, n, int8_activations, scal
 
 
 @needs_native
+@pytest.mark.parametrize("fmt,group", [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("scales", [np.float32, np.float16])
+def test_rows_on_the_int8_grid_multiply_as_any_other(fmt, group, scales):
+    """x already on an int8 grid per run ("w4a8" rounds it so) lets VNNI multiply only the high
+    int8 plane of its 16-bit rounding: a row on the grid alone gives the same floats as beside a
+    row off the grid, where both planes are multiplied."""
+    x, _, leaf = _case(fmt, group, 2, jnp.float32, k=576, n=80, seed=12)
+    w = {name: jnp.asarray(part if name == "packed" else part.astype(scales)) for name, part in leaf.items()}
+    on_grid = quant.round_activations_int8(x[:1])
+    assert not np.array_equal(np.asarray(quant.round_activations_int8(x[1:])), np.asarray(x[1:]))
+    product = jax.jit(native.quantized_matmul_native)
+    alone = np.asarray(product(on_grid, w))
+    np.testing.assert_array_equal(alone, np.asarray(product(jnp.concatenate([on_grid, x[1:]]), w))[:1])
+    want, bound = _rounded_oracle_bound(on_grid, leaf)
+    assert np.all(np.abs(alone - want) <= bound)
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("k,group", [(32, 32), (544, 32), (576, 64)])
 @pytest.mark.parametrize("rows", [1, 3])

@@ -79,9 +79,17 @@ class QuantizedX {
         bias_(dx_.size(), 0.0f) {
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t r = 0; r < runs_; ++r) QuantizeRun(x + m * k + r * kRunInputs, m, r);
+#if JAXRUNNER_QUANT_DOT_VNNI
+    one_plane_ = LowPlanesZero();
+#endif
   }
 
   int64_t runs() const { return runs_; }
+#if JAXRUNNER_QUANT_DOT_VNNI
+  // Whether every low plane is zero: x was on an int8 grid per run ("w4a8" rounds it so), which
+  // the 16-bit rounding keeps exactly as 256 q, so the high planes alone carry it (OnePlaneDot).
+  bool OnePlane() const { return one_plane_; }
+#endif
   const int8_t* Planes(int64_t m, int64_t block) const { return data_.data() + (m * blocks_ + block) * 256; }
   const int16_t* Words(int64_t m, int64_t block) const { return reinterpret_cast<const int16_t*>(Planes(m, block)); }
   // Row m's per-run values, padded with zeros to a multiple of 16 runs.
@@ -109,6 +117,17 @@ class QuantizedX {
   }
 
 #if JAXRUNNER_QUANT_DOT_VNNI
+  // The low planes of a block: bytes 64..127, and for int4 192..255 (StorePlanes).
+  bool LowPlanesZero() const {
+    for (size_t block = 0; block < data_.size(); block += 256)
+      for (int64_t at : {int64_t(64), int64_t(192)}) {
+        if (at == 192 && !int4_) continue;
+        const __m512i plane = _mm512_loadu_si512(data_.data() + block + at);
+        if (_mm512_test_epi8_mask(plane, plane) != 0) return false;
+      }
+    return true;
+  }
+
   // Run j of a block as int8 planes, v = kPlaneBase * hi + lo.
   void StorePlanes(const int32_t* v, int64_t j, int8_t* planes) const {
     if (int4_) {  // inputs 0..15 -> planes 0 and 1, inputs 16..31 -> planes 2 and 3, at 16 * j
@@ -184,6 +203,9 @@ class QuantizedX {
   int64_t runs_per_block_, blocks_;
   std::vector<int8_t> data_;            // [rows, blocks, 256 bytes]: planes or words
   std::vector<float> dx_, sum_, bias_;  // [rows, chunks * 16]; bias_ zeros on AVX2, which reads none
+#if JAXRUNNER_QUANT_DOT_VNNI
+  bool one_plane_ = false;
+#endif
 };
 
 // Asks for output n's codes and scales a few kilobytes before they are read. Without it the
@@ -230,8 +252,10 @@ inline __m512 RunValues(const QuantWeights& w, const void* values, int64_t n, in
   return _mm512_load_ps(lanes);
 }
 
-// The int32 sums of one block's codes with row m's planes, each lane four products.
-template <bool kInt4>
+// The int32 sums of one block's codes with row m's planes, each lane four products. kOnePlane:
+// the high plane's sums alone (x.OnePlane()), 1 / kPlaneBase of the full sums, with half the
+// multiplies; OutputDot scales them back.
+template <bool kInt4, bool kOnePlane>
 inline __m512i BlockDot(__m512i codes, const int8_t* planes) {
   const __m512i zero = _mm512_setzero_si512();
   __m512i hi, lo;
@@ -240,19 +264,23 @@ inline __m512i BlockDot(__m512i codes, const int8_t* planes) {
     const __m512i low = _mm512_and_si512(codes, nibble), high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
     hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(planes)), high,
                              _mm512_loadu_si512(planes + 128));
+    if constexpr (kOnePlane) return hi;
     lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, _mm512_loadu_si512(planes + 64)), high,
                              _mm512_loadu_si512(planes + 192));
   } else {
     const __m512i biased = _mm512_xor_si512(codes, _mm512_set1_epi8(char(0x80)));
     hi = _mm512_dpbusd_epi32(zero, biased, _mm512_loadu_si512(planes));
+    if constexpr (kOnePlane) return hi;
     lo = _mm512_dpbusd_epi32(zero, biased, _mm512_loadu_si512(planes + 64));
   }
   return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
 }
 
-// y[m * w.n + n] for the M rows of x and output n.
-template <int M, bool kInt4>
-void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
+// y[m * w.n + n] for the M rows of x and output n. kOnePlane: the high planes' sums times
+// kPlaneBase * scale * dx, the same floats as the full sums times scale * dx (a power of two
+// moves between the factors exactly).
+template <int M, bool kInt4, bool kOnePlane>
+void OutputDotPlanes(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
   constexpr int64_t kRunsPerBlock = kInt4 ? 4 : 2, kRowBytes = kInt4 ? 16 : 32;
   const uint8_t* codes = static_cast<const uint8_t*>(w.packed) + n * (w.k / kRunInputs) * kRowBytes;
   const __m512i lane_run = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -264,9 +292,10 @@ void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) 
   for (int64_t first = 0; first < runs; first += 16) {
     const int64_t count = std::min<int64_t>(16, runs - first);
     const __m512 scale = RunValues(w, w.scales, n, first, count);
-    __m512 scale_dx[M];
+    __m512 scale_dx[M], dot_scale[M];
     for (int m = 0; m < M; ++m) {
       scale_dx[m] = _mm512_mul_ps(scale, _mm512_loadu_ps(x.Dx(m) + first));
+      dot_scale[m] = kOnePlane ? _mm512_mul_ps(scale_dx[m], _mm512_set1_ps(float(kPlaneBase))) : scale_dx[m];
       if constexpr (kInt4) {
         if (w.offsets != nullptr)
           acc[m] = _mm512_fmadd_ps(RunValues(w, w.offsets, n, first, count), _mm512_loadu_ps(x.Sum(m) + first), acc[m]);
@@ -280,12 +309,18 @@ void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) 
       const __m512i v = bytes == 64 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8((__mmask64(1) << bytes) - 1, at);
       const __m512i lanes = _mm512_add_epi32(lane_run, _mm512_set1_epi32(int32_t(r)));
       for (int m = 0; m < M; ++m) {
-        const __m512 dot = _mm512_cvtepi32_ps(BlockDot<kInt4>(v, x.Planes(m, block)));
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes, scale_dx[m]), acc[m]);
+        const __m512 dot = _mm512_cvtepi32_ps(BlockDot<kInt4, kOnePlane>(v, x.Planes(m, block)));
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes, dot_scale[m]), acc[m]);
       }
     }
   }
   for (int m = 0; m < M; ++m) y[m * w.n + n] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <int M, bool kInt4>
+void OutputDot(const QuantWeights& w, const QuantizedX& x, int64_t n, float* y) {
+  if (x.OnePlane()) OutputDotPlanes<M, kInt4, true>(w, x, n, y);
+  else OutputDotPlanes<M, kInt4, false>(w, x, n, y);
 }
 
 #else  // JAXRUNNER_QUANT_DOT_AVX2
