@@ -306,7 +306,8 @@ def test_the_table_applies_to_the_cpu_it_names(monkeypatch):
     table keeps XLA's dot."""
     from jaxrunner.kernels import native, platform_support
 
-    for flags, want in ((["amx_bf16", "avx512f"], platform_support.ONEDNN_FASTER[0][1:]),
+    for flags, want in ((["amx_bf16", "avx512_bf16", "avx512f"], platform_support.ONEDNN_FASTER[0][1:]),
+                        (["avx512_bf16", "avx512f"], ((), 0, ("bfloat16",))),
                         (["avx2", "fma"], platform_support.NOT_FASTER)):
         monkeypatch.setattr(native, "cpu_features", lambda flags=flags: flags)
         assert platform_support._onednn_faster() == want
