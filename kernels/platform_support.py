@@ -31,10 +31,11 @@ CPU_MIN_16BIT_ROWS = 4
 # scripts/bench_matmul.py (both in one process, alternating) and checked end to end with the
 # throughput and latency benchmarks; a CPU kind not listed keeps XLA's dot until measured.
 # * AVX512-BF16 without AMX (AMD Zen 4): weight-only int4 products of bf16 rows, oneDNN on tiles
-#   unpacked in cache 1.9-2.5x XLA's dot after dequantizing at 64 rows and 1.8-4.5x the native kernel
-#   from 8 rows. Its float matmul on packed weights was faster too at batch (1.1-1.2x SmolLM2's bf16
-#   and float32 throughput) but took batch-1 products from the native one-row kernel (bf16 TPOT
-#   1.3x slower), so float weights stay unpacked there.
+#   unpacked in cache 1.9-2.5x XLA's dot after dequantizing at 64 rows and 1.8-4.5x the native
+#   kernel from 8 rows (int8 weights: 1.1-4.0x XLA's dot at 8-64 rows). Its float matmul on packed
+#   weights was faster too at batch (1.1-1.2x SmolLM2's bf16 and float32 throughput) but took
+#   batch-1 products from the native one-row kernel (bf16 TPOT 1.3x slower), so float weights stay
+#   unpacked there.
 ONEDNN_FASTER = (
     ("amx_bf16", ("bfloat16", "float32"), 8 << 20, ("bfloat16",)),
     ("avx512_bf16", (), 0, ("bfloat16",)),
