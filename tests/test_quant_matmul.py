@@ -196,7 +196,8 @@ def _native_calls(fn, *args) -> int:
 def test_few_rows_go_to_the_kernel_and_more_to_xla():
     here = kernels.capabilities().matmuls  # one CPU device in this process: the native kernel
     assert here.weight_only == "native"
-    few = dataclasses.replace(here, weight_only_gemm=False)  # the routes without the panel GEMMs
+    # the native routes without the panel GEMMs, and without oneDNN's for bf16 rows (AMX, Zen 4)
+    few = dataclasses.replace(here, weight_only_gemm=False, onednn_weight_only=())
     linear_f32 = functools.partial(linear.linear_f32, matmuls=few)
     x, w, _ = _case("int4", 32, 4, jnp.float32)
     assert _native_calls(linear_f32, x[:1], w) == 1
@@ -221,8 +222,7 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     assert kernels.choose_matmuls("xla")[0].weight_only_gemm is False  # the plain baseline keeps XLA's dot
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
-    xla_bf16 = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(few, onednn_weight_only=()))
-    assert jax.jit(xla_bf16).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0  # oneDNN's: elsewhere
+    assert jax.jit(linear_f32).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0  # oneDNN's: elsewhere
     assert _native_calls(linear_f32, x[:1, :96], {**w, "packed": w["packed"][:, :48],
                                                   "scales": w["scales"][:, :3], "offsets": w["offsets"][:, :3]}) == 1
     several = kernels.capabilities("cpu", device_count=2).matmuls  # sharded or replicated: XLA only
