@@ -87,7 +87,7 @@ class QuantizedX {
   int64_t runs() const { return runs_; }
 #if JAXRUNNER_QUANT_DOT_VNNI
   // Whether every low plane is zero: x was on an int8 grid per run ("w4a8" rounds it so), which
-  // the 16-bit rounding keeps exactly as 256 q, so the high planes alone carry it (OnePlaneDot).
+  // the 16-bit rounding keeps exactly as 256 q, so the high planes alone carry it (OutputDotPlanes).
   bool OnePlane() const { return one_plane_; }
 #endif
   const int8_t* Planes(int64_t m, int64_t block) const { return data_.data() + (m * blocks_ + block) * 256; }
@@ -117,12 +117,12 @@ class QuantizedX {
   }
 
 #if JAXRUNNER_QUANT_DOT_VNNI
-  // The low planes of a block: bytes 64..127, and for int4 192..255 (StorePlanes).
+  // Whether every block's low planes are zero: bytes 64..127, and for int4 192..255 (StorePlanes).
   bool LowPlanesZero() const {
+    const int64_t low_planes = int4_ ? 2 : 1;
     for (size_t block = 0; block < data_.size(); block += 256)
-      for (int64_t at : {int64_t(64), int64_t(192)}) {
-        if (at == 192 && !int4_) continue;
-        const __m512i plane = _mm512_loadu_si512(data_.data() + block + at);
+      for (int64_t p = 0; p < low_planes; ++p) {
+        const __m512i plane = _mm512_loadu_si512(data_.data() + block + 64 + 128 * p);
         if (_mm512_test_epi8_mask(plane, plane) != 0) return false;
       }
     return true;
