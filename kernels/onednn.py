@@ -76,8 +76,8 @@ def _load() -> ctypes.CDLL:
     include, lib = find_onednn()
     cxx = native.compiler()
     flags = (*FLAGS, f"-I{include}")
-    path = native.library_path(TARGET_NAME, cxx, (SOURCE, native.CPU_DIR / "helper_thread.h", native.CPU_DIR / "dequantize_tile.h",
-                                                native.CPU_DIR / "work_queue.h", include / HEADER),
+    headers = (native.CPU_DIR / name for name in ("helper_thread.h", "dequantize_tile.h", "transpose.h", "work_queue.h"))
+    path = native.library_path(TARGET_NAME, cxx, (SOURCE, *headers, include / HEADER),
                                (*flags, str(lib)))
     if not path.exists():
         native.build_library(cxx, path, (SOURCE,), flags, (f"-L{lib}", f"-l:{LIBRARY}", f"-Wl,-rpath,{lib}"))

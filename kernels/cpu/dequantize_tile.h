@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "transpose.h"
+
 namespace jaxrunner_cpu {
 
 #define JAXRUNNER_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
@@ -62,32 +64,6 @@ JAXRUNNER_INLINE_AVX512_BF16 __m512 Gather16(const void* p, int64_t first, int64
                                                     _mm512_andnot_si512(_mm512_set1_epi32(3), bytes), p, 1);
   const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(2)), 3);
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srlv_epi32(words, shift)));
-}
-
-// 16 rows of 16 32-bit units, transposed in registers.
-JAXRUNNER_INLINE_AVX512_BF16 void Transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-#pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) {
-    t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
-    t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
-  }
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {  // u[4q + c], lane L: unit 4L + c of rows 4q..4q+3
-    u[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
-    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
-    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
-    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
-  }
-#pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {  // gather lane L of u[c], u[4 + c], u[8 + c], u[12 + c] into row 4L + c
-    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xdd);
-    r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xdd);
-  }
 }
 
 // One run of 32 inputs of an output (its codes at `codes_of_run`) as 32 bf16 in input order (16

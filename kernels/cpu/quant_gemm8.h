@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "quant_dot8.h"
+#include "transpose.h"
 
 #if JAXRUNNER_QUANT_DOT8
 #define JAXRUNNER_QUANT_GEMM8 1
@@ -31,25 +32,6 @@ struct Panel8 {
   std::vector<__m256i> codes;            // [runs, 8 quads]
   std::vector<__m256> scales, offsets;   // [runs]
 };
-
-// Dwords j of the eight vectors d[o] gathered into out[j] (dword o from d[o]): an 8 x 8 transpose.
-inline void TransposeDwords(const __m256i d[8], __m256i out[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(d[2 * i], d[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(d[2 * i], d[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // h: outputs 0..3, then 4..7
-    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);      // quads 0 | 4
-    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);      // 1 | 5
-    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);  // 2 | 6
-    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);  // 3 | 7
-  }
-  for (int j = 0; j < 4; ++j) {
-    out[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-    out[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-  }
-}
 
 // Outputs n0 .. n0 + count (count <= 8; missing outputs get zero codes and scales) packed into panel.
 inline void PackPanel8(const QuantWeights& w, int64_t n0, int64_t count, Panel8& panel) {
