@@ -168,9 +168,9 @@ def unavailable_reason() -> str | None:
 
 def panel_gemm() -> bool:
     """Whether the build for this CPU takes weight-only products of every row count as GEMMs over
-    panels of outputs (AVX2 without AVX-512): int4 codes times activations rounded to int8 for
-    ``"w4a8"`` (``cpu/quant_gemm8.h``), float32 otherwise (``cpu/quant_gemm_f32.h``), as the library
-    itself reports."""
+    panels of outputs, as the library itself reports: float32 ones (``cpu/quant_gemm_f32.h``) with
+    AVX2 or AVX512-VNNI, and with AVX2 and no AVX-512 int4 codes times activations rounded to int8
+    for ``"w4a8"`` (``cpu/quant_gemm8.h``)."""
     library = _loaded()[0]
     return library is not None and bool(library.JaxrunnerCpuPanelGemm())
 

@@ -52,6 +52,20 @@ XLA_WEIGHTS_NK = (
     ("amx_bf16", None, FLOAT_DTYPES, 0),
     ("avx2", "avx512f", ("float32",), 2048),
 )
+# From how many float32 rows weight-only products leave the native panel GEMMs (where the build
+# has them) for XLA's dot on a weight the kernel unpacks first, per CPU kind: (a CPU flag it has,
+# the rows; 0: never); the first row that matches applies (scripts/bench_matmul.py --quantization
+# int4 --dtypes float32, "native" against "unpacked"):
+# * AVX-512 (EPYC Zen 4): the sixteen-wide panels ran 1.1-2.5x the unpacked weight's dot on
+#   SmolLM2's products up to 64 rows and 0.85-1.26x from 256 to 1024 (within the noise, about a
+#   tenth there); end to end, int4 throughput rose by a ninth with no limit;
+# * AVX2 without AVX-512 (EPYC Zen 1): XLA's dot ran about an eighth faster than the eight-wide
+#   panels at 512 rows (SmolLM2's gate_up), even with them at 128 and 256, and unpacking costs a
+#   few percent of such a product.
+DEQUANTIZE_FLOAT_ROWS = (
+    ("avx512f", 0),
+    ("avx2", 512),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +104,11 @@ class MatmulKernels:
       engine's quantization). Not a place but a number format, handed down with the places
       because every product reads it.
     * ``weight_only_gemm``: the native kernel takes weight-only products of every row count, as
-      GEMMs over panels of outputs (:func:`native.panel_gemm`: AVX2 builds without AVX-512, where
-      they outran dequantizing for XLA's dot); False: few rows only, more dequantized for XLA.
+      GEMMs over panels of outputs (:func:`native.panel_gemm`: builds for AVX2 or AVX512-VNNI,
+      where they outran dequantizing for XLA's dot); False: few rows only, more dequantized for XLA.
+    * ``dequantize_min_rows``: with the panel GEMMs, float32 products of this many rows or more
+      still go to XLA's dot on a weight the native kernel unpacks first (0: none do), from
+      :data:`DEQUANTIZE_FLOAT_ROWS`.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -107,6 +124,7 @@ class MatmulKernels:
     elementwise: str = XLA
     weight_only_activations: str = "float"
     weight_only_gemm: bool = False
+    dequantize_min_rows: int = 0
 
     def __post_init__(self):
         if self.weight_only_activations not in WEIGHT_ONLY_ACTIVATIONS:
@@ -132,6 +150,9 @@ class MatmulKernels:
                              f"got {self.onednn_min_weight_bytes!r}")
         if not isinstance(self.weight_only_gemm, bool):
             raise ValueError(f"MatmulKernels.weight_only_gemm: expected True or False, got {self.weight_only_gemm!r}")
+        if not isinstance(self.dequantize_min_rows, int) or self.dequantize_min_rows < 0:
+            raise ValueError(f"MatmulKernels.dequantize_min_rows: expected an integer >= 0, "
+                             f"got {self.dequantize_min_rows!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -225,10 +246,11 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     if (onednn[0] or onednn[2]) and onednn_unavailable(platform) is not None:  # built only where the table uses it
         onednn = NOT_FASTER
     nk_dtypes, nk_min_inputs = _xla_weights_nk() if device_count == 1 else ((), 0)
+    gemm = kernel == NATIVE and native.panel_gemm()
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
                          xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel,
-                         weight_only_gemm=kernel == NATIVE and native.panel_gemm())
+                         weight_only_gemm=gemm, dequantize_min_rows=_dequantize_float_rows() if gemm else 0)
 
 
 def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
@@ -239,6 +261,12 @@ def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
         if has in flags and (lacks is None or lacks not in flags):
             return dtypes, min_inputs
     return (), 0
+
+
+def _dequantize_float_rows() -> int:
+    """:data:`DEQUANTIZE_FLOAT_ROWS` for this CPU (the first row whose flag it has); 0 elsewhere."""
+    flags = set(native.cpu_features())
+    return next((rows for flag, rows in DEQUANTIZE_FLOAT_ROWS if flag in flags), 0)
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:
@@ -273,7 +301,7 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
         return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=(),
-                                   weight_only_gemm=False), "asked for"
+                                   weight_only_gemm=False, dequantize_min_rows=0), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:

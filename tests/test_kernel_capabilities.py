@@ -39,7 +39,8 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      onednn_weight_only=caps.matmuls.onednn_weight_only,
                                                      xla_weights_nk=caps.matmuls.xla_weights_nk,
                                                      xla_weights_nk_min_inputs=caps.matmuls.xla_weights_nk_min_inputs,
-                                                     elementwise="native", weight_only_gemm=native.panel_gemm())
+                                                     elementwise="native", weight_only_gemm=native.panel_gemm(),
+                                                     dequantize_min_rows=caps.matmuls.dequantize_min_rows)
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")

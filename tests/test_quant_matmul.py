@@ -59,11 +59,12 @@ def _assert_kernel_within_bound(x, leaf):
 
 @needs_native
 @pytest.mark.parametrize("fmt,group", FORMATS)
-@pytest.mark.parametrize("rows,n", [(1, 80), (2, 80), (4, 80), (7, 40), (16, 8), (70, 88)])
+@pytest.mark.parametrize("rows,n", [(1, 80), (2, 80), (4, 80), (7, 40), (9, 24), (16, 8), (70, 88)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_kernel_matches_float64_oracle(fmt, group, rows, n, dtype):
-    """Few rows stream the codes; more go through the float32 panel GEMM (AVX2; 16 outputs a work
-    item: whole, part-filled and under one panel) or the tiles elsewhere."""
+    """Few rows stream the codes; more go through the float32 panel GEMM (AVX2 or AVX512-VNNI; 16
+    outputs a work item: whole, part-filled and under one panel; rows in whole passes and a
+    remainder) or the tiles elsewhere."""
     x, w, leaf = _case(fmt, group, rows, dtype, n=n)
     got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
     want, _ = _oracle(x, leaf)
@@ -135,7 +136,7 @@ def test_int8_codes_at_the_ends_of_their_range(rows):
 
 @needs_native
 @pytest.mark.parametrize("fmt,n", [("int8", 8200), ("int4", 16400)])  # over 4 MiB packed: XLA's threads join
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 20])
 def test_native_kernel_takes_float16_scales_and_big_products(fmt, n, rows):
     """A GGUF's leaves keep float16 scales and offsets, and a tied LM head is big enough that the
     kernel splits it over threads: both match the oracle like the small float32 cases."""
@@ -208,10 +209,10 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
     assert _native_calls(int8, jnp.concatenate([x] * 4), w) == 1  # w4a8: the same routes
     assert _native_calls(int8, jnp.concatenate([x] * 5), w) == 0
     x8, w8, _ = _case("int8", 32, 4, jnp.float32)
-    chunk = jnp.concatenate([x] * (linear.DEQUANTIZE_MIN_ROWS // 4))  # a full prefill chunk
+    chunk = jnp.concatenate([x] * 128)  # a full prefill chunk
     for activations in ("float", "int8"):  # with them: every row count, every format and dtype...
         gemm = functools.partial(linear.linear_f32, matmuls=dataclasses.replace(
-            few, weight_only_gemm=True, weight_only_activations=activations))
+            few, weight_only_gemm=True, dequantize_min_rows=512, weight_only_activations=activations))
         for rows in (jnp.concatenate([x] * 40), jnp.concatenate([x] * 40).astype(jnp.bfloat16), chunk.astype(jnp.bfloat16)):
             assert _native_calls(gemm, rows, w) == 1
         assert _native_calls(gemm, jnp.concatenate([x8] * 5), w8) == 1
@@ -219,6 +220,8 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
         unpacked = jax.jit(gemm).lower(chunk, w).as_text().count(native.DEQUANTIZE_TARGET_NAME)
         assert (unpacked, _native_calls(gemm, chunk, w)) == ((0, 1) if activations == "int8" else (1, 0))
         assert _native_calls(gemm, chunk[:-4], w) == 1
+        every = dataclasses.replace(few, weight_only_gemm=True, weight_only_activations=activations)
+        assert _native_calls(functools.partial(linear.linear_f32, matmuls=every), chunk, w) == 1  # no limit
     assert kernels.choose_matmuls("xla")[0].weight_only_gemm is False  # the plain baseline keeps XLA's dot
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
@@ -249,9 +252,12 @@ def test_kernel_refuses_what_it_cannot_take():
 def test_cpu_features_are_detected_not_assumed():
     features = native.cpu_features()
     assert isinstance(features, list) and all(isinstance(f, str) for f in features)
-    if native.available():  # the library says whether it built the panel GEMMs: AVX2 without AVX-512
-        assert native.panel_gemm() == ("avx2" in features and "avx512f" not in features)
-        assert kernels.capabilities().matmuls.weight_only_gemm == native.panel_gemm()
+    if native.available():  # the library says whether it built the panel GEMMs: AVX2, or AVX512-VNNI
+        avx2 = "avx2" in features and "avx512f" not in features
+        assert native.panel_gemm() == (avx2 or "avx512_vnni" in features)
+        matmuls = kernels.capabilities().matmuls
+        assert matmuls.weight_only_gemm == native.panel_gemm()
+        assert matmuls.dequantize_min_rows == (512 if avx2 and matmuls.weight_only_gemm else 0)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

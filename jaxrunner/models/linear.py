@@ -18,13 +18,9 @@ NATIVE_MATMUL_ROWS = 1  # rows the native CPU matmul takes over (bf16 measured s
 # Rows the native quantized matmul takes. Up to 4 rows it streams the packed weights through
 # registers; up to 16 its tiled path still beat dequantize-then-dot in XLA, but a 128-row prefill
 # chunk ran faster through XLA's dot. Where it has the panel GEMMs (``matmuls.weight_only_gemm``)
-# it takes every row count of int8 x and up to ``DEQUANTIZE_MIN_ROWS`` of float x.
+# it takes every row count of int8 x and of float x below ``matmuls.dequantize_min_rows`` (where
+# that is not 0; kernels/platform_support.py says where XLA's dot took over, per CPU kind).
 NATIVE_QUANT_ROWS = 16
-# From this many float32 rows the weight is unpacked for XLA's dot even where the panel GEMMs are:
-# on an AVX2 EPYC XLA's float32 dot ran about an eighth faster than the float panel GEMM at 512 rows
-# (SmolLM2's gate_up), even with it at 128 and 256, and the copy costs a few percent of such a
-# product. Products of int8 x keep the integer GEMM, which beat both.
-DEQUANTIZE_MIN_ROWS = 512
 # Where oneDNN takes weight-only products (``MatmulKernels.onednn_weight_only``), it does from this
 # many rows: on AMX it ran 1.0-1.8x the native kernel at 5-6 rows, 1.0-1.9x at 8, 1.6-2.9x at 16,
 # and the native kernel's integer dot products of up to 4 rows beat it (bench_matmul.py --quantization).
@@ -62,9 +58,9 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
 
     With the native weight-only kernel (``matmuls.weight_only``: one CPU device), up to
     ``NATIVE_QUANT_ROWS`` rows go to it (where ``matmuls.weight_only_gemm``: every row count, but
-    float32 ones only below ``DEQUANTIZE_MIN_ROWS``): it unpacks the weights in registers and reads
-    each byte once (a batch-1 decode streams the whole model per token, so bytes are time; a batch
-    of decodes likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
+    float32 ones only below ``matmuls.dequantize_min_rows`` where that is set): it unpacks the
+    weights in registers and reads each byte once (a batch-1 decode streams the whole model per
+    token, so bytes are time; a batch of decodes likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
     ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead, the weight unpacked a
     tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
     the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own unpacking fusion
@@ -102,7 +98,8 @@ def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
         return None
     rows, float32 = x.shape[0], x.dtype == jnp.float32
     int8_x = matmuls.weight_only_activations == "int8"
-    if rows <= NATIVE_QUANT_ROWS or (matmuls.weight_only_gemm and (int8_x or not float32 or rows < DEQUANTIZE_MIN_ROWS)):
+    limit = matmuls.dequantize_min_rows
+    if rows <= NATIVE_QUANT_ROWS or (matmuls.weight_only_gemm and (int8_x or not float32 or not limit or rows < limit)):
         return "matmul"
     return "dequantize" if float32 else None
 

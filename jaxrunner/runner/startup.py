@@ -107,6 +107,8 @@ def _matmul_summary(matmuls) -> str:
     summary = f"onednn ({'; '.join(parts)}), {xla}" if parts else xla
     if matmuls.weight_only_gemm:
         summary += "; int8/int4 weights: native panel GEMMs at every row count"
+        if matmuls.dequantize_min_rows:
+            summary += f" (float32: below {matmuls.dequantize_min_rows})"
     return summary
 
 

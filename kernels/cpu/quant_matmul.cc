@@ -376,15 +376,17 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
   RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { OutputsItem<M, QT>(&p, item); });
 }
 
-#if JAXRUNNER_QUANT_GEMM8
+#if JAXRUNNER_FLOAT_PANEL_GEMM
 // Sixteen outputs for every row: int4 codes times x rounded to int8 (gemm_x), or float32 panels.
 template <typename QT>
 void GemmItem(const void* problem, int64_t item) {
   const Problem& p = *static_cast<const Problem*>(problem);
   constexpr bool kInt4 = std::is_same<QT, uint8_t>::value;
   const int64_t n0 = item * kGemmOutputs, count = std::min(kGemmOutputs, p.n - n0);
-  if (p.gemm_x != nullptr) PanelProduct(p.Weights(kInt4), *p.gemm_x, p.rows, n0, count, p.y);
-  else FloatPanelProduct<kInt4>(p.Weights(kInt4), p.x, p.rows, n0, count, p.y);
+#if JAXRUNNER_QUANT_GEMM8
+  if (p.gemm_x != nullptr) return PanelProduct(p.Weights(kInt4), *p.gemm_x, p.rows, n0, count, p.y);
+#endif
+  FloatPanelProduct<kInt4>(p.Weights(kInt4), p.x, p.rows, n0, count, p.y);
 }
 
 // On the helper's two threads unless XLA's pool has more and the product is large (the pool's
@@ -405,7 +407,10 @@ void RunRows(ffi::ThreadPool& pool, const Problem& p) {
   if (p.qx8 != nullptr) return Run<1, QT>(pool, p);  // M unused: OutputsItem walks every row
 #endif
 #if JAXRUNNER_QUANT_GEMM8
-  if (p.gemm_x != nullptr || p.rows > kMaxRows) return RunGemm<QT>(pool, p);
+  if (p.gemm_x != nullptr) return RunGemm<QT>(pool, p);
+#endif
+#if JAXRUNNER_FLOAT_PANEL_GEMM
+  if (p.rows > kMaxRows) return RunGemm<QT>(pool, p);
 #endif
   if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
   switch (p.rows) {
@@ -546,7 +551,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
 // Whether this build has the panel GEMMs (quant_gemm8.h, quant_gemm_f32.h), which take products of
 // every row count: kernels/native.py asks once, and models/linear.py routes products by it.
 extern "C" int JaxrunnerCpuPanelGemm() {
-#if JAXRUNNER_QUANT_GEMM8
+#if JAXRUNNER_FLOAT_PANEL_GEMM
   return 1;
 #else
   return 0;
