@@ -107,8 +107,7 @@ class QuantizedX {
     sum_[slot] = sum;
     int8_t* block = data_.data() + (m * blocks_ + r / runs_per_block_) * 256;
 #if JAXRUNNER_QUANT_DOT_VNNI
-    int32_t total = 0;
-    for (int i = 0; i < kRunInputs; ++i) total += v[i];
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_load_si512(v), _mm512_load_si512(v + 16)));
     bias_[slot] = -128.0f * float(total);
     StorePlanes(v, r % runs_per_block_, block);
 #else
@@ -139,14 +138,15 @@ class QuantizedX {
     }
   }
 
-  // 16 values v = kPlaneBase * hi + lo, hi = floor((v + kPlaneBase / 2) / kPlaneBase).
+  // 16 values v = kPlaneBase * hi + lo, hi = floor((v + kPlaneBase / 2) / kPlaneBase): an
+  // arithmetic shift floors.
   static void Split(const int32_t* v, int8_t* hi_out, int8_t* lo_out) {
-    for (int i = 0; i < 16; ++i) {
-      const int32_t shifted = v[i] + kPlaneBase / 2;
-      const int32_t hi = (shifted >= 0 ? shifted : shifted - (kPlaneBase - 1)) / kPlaneBase;
-      hi_out[i] = int8_t(hi);
-      lo_out[i] = int8_t(v[i] - kPlaneBase * hi);
-    }
+    static_assert(kPlaneBase == 256, "the shift below divides by 256");
+    const __m512i words = _mm512_loadu_si512(v);
+    const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(words, _mm512_set1_epi32(kPlaneBase / 2)), 8);
+    const __m512i lo = _mm512_sub_epi32(words, _mm512_slli_epi32(hi, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi_out), _mm512_cvtepi32_epi8(hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo_out), _mm512_cvtepi32_epi8(lo));
   }
 #else
   // Run j of a block as int16 words in the order AVX2 widens the codes (see PairDot, RunDotInt8):
