@@ -36,7 +36,7 @@ SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR 
            CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
-           CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "transpose.h")
+           CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
 WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
@@ -168,9 +168,10 @@ def unavailable_reason() -> str | None:
 
 def panel_gemm() -> bool:
     """Whether the build for this CPU takes weight-only products of every row count as GEMMs over
-    panels of outputs, as the library itself reports: float32 ones (``cpu/quant_gemm_f32.h``) with
-    AVX2 or AVX512-VNNI, and with AVX2 and no AVX-512 int4 codes times activations rounded to int8
-    for ``"w4a8"`` (``cpu/quant_gemm8.h``)."""
+    panels of outputs, as the library itself reports. AVX512-VNNI: the codes times activations
+    rounded to 16-bit integers per run (``cpu/quant_gemm_vnni.h``, one int8 plane of them for
+    ``"w4a8"``); AVX2 without AVX-512: int4 codes times activations rounded to int8 for ``"w4a8"``
+    (``cpu/quant_gemm8.h``), float32 otherwise (``cpu/quant_gemm_f32.h``)."""
     library = _loaded()[0]
     return library is not None and bool(library.JaxrunnerCpuPanelGemm())
 

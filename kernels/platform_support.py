@@ -56,9 +56,8 @@ XLA_WEIGHTS_NK = (
 # has them) for XLA's dot on a weight the kernel unpacks first, per CPU kind: (a CPU flag it has,
 # the rows; 0: never); the first row that matches applies (scripts/bench_matmul.py --quantization
 # int4 --dtypes float32, "native" against "unpacked"):
-# * AVX-512 (EPYC Zen 4): the sixteen-wide panels ran 1.1-2.5x the unpacked weight's dot on
-#   SmolLM2's products up to 64 rows and 0.85-1.26x from 256 to 1024 (within the noise, about a
-#   tenth there); end to end, int4 throughput rose by a ninth with no limit;
+# * AVX512-VNNI (EPYC Zen 4): the integer panels (cpu/quant_gemm_vnni.h) ran 1.5-2.6x XLA's dot
+#   on the float weight itself at 16 to 1024 rows of SmolLM2's products, so never;
 # * AVX2 without AVX-512 (EPYC Zen 1): XLA's dot ran about an eighth faster than the eight-wide
 #   panels at 512 rows (SmolLM2's gate_up), even with them at 128 and 256, and unpacking costs a
 #   few percent of such a product.

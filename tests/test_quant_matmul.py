@@ -62,9 +62,9 @@ def _assert_kernel_within_bound(x, leaf):
 @pytest.mark.parametrize("rows,n", [(1, 80), (2, 80), (4, 80), (7, 40), (9, 24), (16, 8), (70, 88)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_kernel_matches_float64_oracle(fmt, group, rows, n, dtype):
-    """Few rows stream the codes; more go through the float32 panel GEMM (AVX2 or AVX512-VNNI; 16
-    outputs a work item: whole, part-filled and under one panel; rows in whole passes and a
-    remainder) or the tiles elsewhere."""
+    """Few rows stream the codes; more go through the panel GEMMs (float32 with AVX2, integer with
+    AVX512-VNNI; 16 outputs a work item: whole, part-filled and under one panel; rows in whole
+    passes and a remainder) or the tiles elsewhere."""
     x, w, leaf = _case(fmt, group, rows, dtype, n=n)
     got = np.asarray(jax.jit(native.quantized_matmul_native)(x, w))
     want, _ = _oracle(x, leaf)

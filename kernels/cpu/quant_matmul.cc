@@ -13,7 +13,9 @@
 // instead looks each code up in its group's sixteen weight values (OutputInt4). With AVX512-VNNI,
 // products of up to kMaxRows rows are integer dot products on x rounded to 16 bits per run of 32
 // inputs instead (quant_dot.h): about half the vector instructions per weight; with AVX2 alone,
-// the same through vpmaddwd.
+// the same through vpmaddwd. With AVX512-VNNI, more rows multiply the same integers as a GEMM
+// over panels of sixteen outputs (quant_gemm_vnni.h); with AVX2 alone, float32 panels
+// (quant_gemm_f32.h); elsewhere, tiles of four outputs by four rows (TileItem).
 //
 // With x_int8 (the "w4a8" quantization), x is first rounded to int8 per run of 32 inputs, as
 // models/quant.py rounds it for XLA's path; with AVX2 alone, the rows then multiply as int8: int4
@@ -34,6 +36,7 @@
 #include "quant_dot8.h"
 #include "quant_gemm8.h"
 #include "quant_gemm_f32.h"
+#include "quant_gemm_vnni.h"
 #include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -48,7 +51,7 @@ namespace {
 
 using namespace jaxrunner_cpu;
 
-constexpr int kMaxRows = 4;  // rows of the streaming path; more go through the panel GEMMs (AVX2) or TileItem
+constexpr int kMaxRows = 4;  // rows of the streaming path; more go through the panel GEMMs or TileItem
 // Rows the int8 dot products take (x_int8, quant_dot8.h), four at a time: all that
 // models/linear.py sends here without the panel GEMMs (NATIVE_QUANT_ROWS). With them, int8 codes
 // of more rows take the float32 panel GEMM on x's int8 grid.
@@ -376,8 +379,10 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
   RunItems<NoScratch>(pool, items, [p](int64_t item, NoScratch&) { OutputsItem<M, QT>(&p, item); });
 }
 
-#if JAXRUNNER_FLOAT_PANEL_GEMM
-// Sixteen outputs for every row: int4 codes times x rounded to int8 (gemm_x), or float32 panels.
+#if JAXRUNNER_QUANT_GEMM8 || JAXRUNNER_VNNI_GEMM
+#define JAXRUNNER_PANEL_GEMM 1
+// Sixteen outputs for every row. AVX2: int4 codes times x rounded to int8 (gemm_x), or float32
+// panels; AVX512-VNNI: the codes times x's 16-bit integers (qx, every row count).
 template <typename QT>
 void GemmItem(const void* problem, int64_t item) {
   const Problem& p = *static_cast<const Problem*>(problem);
@@ -385,8 +390,11 @@ void GemmItem(const void* problem, int64_t item) {
   const int64_t n0 = item * kGemmOutputs, count = std::min(kGemmOutputs, p.n - n0);
 #if JAXRUNNER_QUANT_GEMM8
   if (p.gemm_x != nullptr) return PanelProduct(p.Weights(kInt4), *p.gemm_x, p.rows, n0, count, p.y);
-#endif
   FloatPanelProduct<kInt4>(p.Weights(kInt4), p.x, p.rows, n0, count, p.y);
+#else
+  static_assert(kVnniPanelOutputs == kGemmOutputs, "a work item is one panel");
+  VnniPanelProduct<kInt4>(p.Weights(kInt4), *p.qx, p.rows, n0, count, p.y);
+#endif
 }
 
 // On the helper's two threads unless XLA's pool has more and the product is large (the pool's
@@ -409,7 +417,7 @@ void RunRows(ffi::ThreadPool& pool, const Problem& p) {
 #if JAXRUNNER_QUANT_GEMM8
   if (p.gemm_x != nullptr) return RunGemm<QT>(pool, p);
 #endif
-#if JAXRUNNER_FLOAT_PANEL_GEMM
+#if JAXRUNNER_PANEL_GEMM
   if (p.rows > kMaxRows) return RunGemm<QT>(pool, p);
 #endif
   if (p.rows > kMaxRows) return RunTiles<QT>(pool, p);
@@ -473,7 +481,12 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   bool group_sums = rows <= kMaxRows && !int8_dot;  // the streaming path's offsets multiply x's group sums
 #if JAXRUNNER_QUANT_DOT
   std::unique_ptr<QuantizedX> qx;  // keeps its own sums of x, per run
-  if (group_sums) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
+#if JAXRUNNER_VNNI_GEMM
+  const bool integer_rows = !int8_dot;  // every row count: the VNNI panels take more than the streaming path
+#else
+  const bool integer_rows = group_sums;
+#endif
+  if (integer_rows) p.qx = (qx = std::make_unique<QuantizedX>(x32.data(), rows, k, int4)).get();
   group_sums = group_sums && p.qx == nullptr;
 #endif
   if (group_sums) {
@@ -551,7 +564,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
 // Whether this build has the panel GEMMs (quant_gemm8.h, quant_gemm_f32.h), which take products of
 // every row count: kernels/native.py asks once, and models/linear.py routes products by it.
 extern "C" int JaxrunnerCpuPanelGemm() {
-#if JAXRUNNER_FLOAT_PANEL_GEMM
+#if JAXRUNNER_PANEL_GEMM
   return 1;
 #else
   return 0;
