@@ -56,8 +56,9 @@ XLA_WEIGHTS_NK = (
 # has them) for XLA's dot on a weight the kernel unpacks first, per CPU kind: (a CPU flag it has,
 # the rows; 0: never); the first row that matches applies (scripts/bench_matmul.py --quantization
 # int4 --dtypes float32, "native" against "unpacked"):
-# * AVX512-VNNI (EPYC Zen 4): the integer panels (cpu/quant_gemm_vnni.h) ran 1.5-2.6x XLA's dot
-#   on the float weight itself at 16 to 1024 rows of SmolLM2's products, so never;
+# * AVX512-VNNI (EPYC Zen 4): the integer panels (cpu/quant_gemm_vnni.h) ran 1.07-1.41x XLA's
+#   dot on the float weight itself at 1024 rows of SmolLM2's products (1.65-2.27x at 16), and
+#   1.11-1.35x XLA's dot on the unpacked weight, so never;
 # * AVX2 without AVX-512 (EPYC Zen 1): XLA's dot ran about an eighth faster than the eight-wide
 #   panels at 512 rows (SmolLM2's gate_up), even with them at 128 and 256, and unpacking costs a
 #   few percent of such a product.
