@@ -6,6 +6,7 @@
 // only a caller that runs on such a CPU may call them.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
 namespace jaxrunner_cpu {
@@ -59,3 +60,5 @@ JAXRUNNER_INLINE_AVX512 void Transpose16(__m512i r[16]) {
 }
 
 }  // namespace jaxrunner_cpu
+
+#endif
