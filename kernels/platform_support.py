@@ -63,7 +63,7 @@ XLA_WEIGHTS_NK = (
 #   panels at 512 rows (SmolLM2's gate_up), even with them at 128 and 256, and unpacking costs a
 #   few percent of such a product.
 DEQUANTIZE_FLOAT_ROWS = (
-    ("avx512f", 0),
+    ("avx512_vnni", 0),
     ("avx2", 512),
 )
 
