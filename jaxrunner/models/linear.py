@@ -60,9 +60,9 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     ``NATIVE_QUANT_ROWS`` rows go to it (where ``matmuls.weight_only_gemm``: every row count, but
     float32 ones only below ``matmuls.dequantize_min_rows`` where that is set): it unpacks the
     weights in registers and reads each byte once (a batch-1 decode streams the whole model per
-    token, so bytes are time; a batch of decodes likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in
-    ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead, the weight unpacked a
-    tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
+    token, so bytes are time; a batch of decodes likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of
+    an activation dtype in ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead,
+    the weight unpacked a tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
     the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own unpacking fusion
     was several times slower), by XLA in ``x``'s dtype otherwise.
 

@@ -561,8 +561,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuDequantize, Dequantize,
                                   .Ret<ffi::AnyBuffer>()  // w [N, K] f32
                                   .Attr<int64_t>("has_offsets"));
 
-// Whether this build has the panel GEMMs (quant_gemm8.h, quant_gemm_f32.h), which take products of
-// every row count: kernels/native.py asks once, and models/linear.py routes products by it.
+// Whether this build has the panel GEMMs (quant_gemm_vnni.h, or quant_gemm8.h and quant_gemm_f32.h),
+// which take products of every row count: kernels/native.py asks once, and models/linear.py routes
+// products by it.
 extern "C" int JaxrunnerCpuPanelGemm() {
 #if JAXRUNNER_PANEL_GEMM
   return 1;
