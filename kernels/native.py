@@ -33,7 +33,7 @@ logger = logging.getLogger("jaxrunner")
 
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
-           CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
+           CPU_DIR / "quant_panels.cc", CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
            CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
@@ -46,6 +46,8 @@ MATMUL_SYMBOL = "JaxrunnerCpuSmallMatmul"
 MATMUL_MAX_ROWS = 4
 QUANT_MATMUL_TARGET_NAME = "jaxrunner_cpu_quant_matmul"
 QUANT_MATMUL_SYMBOL = "JaxrunnerCpuQuantMatmul"
+PANEL_MATMUL_TARGET_NAME = "jaxrunner_cpu_quant_matmul_panels"
+PANEL_MATMUL_SYMBOL = "JaxrunnerCpuQuantMatmulPanels"
 DEQUANTIZE_TARGET_NAME = "jaxrunner_cpu_dequantize"
 DEQUANTIZE_SYMBOL = "JaxrunnerCpuDequantize"
 SILU_MUL_TARGET_NAME = "jaxrunner_cpu_silu_mul"
@@ -137,6 +139,8 @@ def _load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, MATMUL_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, QUANT_MATMUL_SYMBOL)),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(PANEL_MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, PANEL_MATMUL_SYMBOL)),
+                                platform="cpu")
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET_NAME, jax.ffi.pycapsule(getattr(library, DEQUANTIZE_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(SILU_MUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, SILU_MUL_SYMBOL)),
@@ -174,6 +178,13 @@ def panel_gemm() -> bool:
     (``cpu/quant_gemm8.h``), float32 otherwise (``cpu/quant_gemm_f32.h``)."""
     library = _loaded()[0]
     return library is not None and bool(library.JaxrunnerCpuPanelGemm())
+
+
+def stored_panels() -> bool:
+    """Whether the build for this CPU multiplies weight-only weights laid out once as panels of
+    sixteen outputs (``cpu/quant_panels.cc``: AVX512-VNNI), as the library itself reports."""
+    library = _loaded()[0]
+    return library is not None and bool(library.JaxrunnerCpuStoredPanels())
 
 
 def available() -> bool:
