@@ -109,6 +109,10 @@ class MatmulKernels:
     * ``dequantize_min_rows``: with the panel GEMMs, float32 products of this many rows or more
       still go to XLA's dot on a weight the native kernel unpacks first (0: none do), from
       :data:`DEQUANTIZE_FLOAT_ROWS`.
+    * ``weight_only_panels``: activation dtypes of models whose weight-only layer weights are laid
+      out once, at start-up, as panels of sixteen outputs (``kernels.quant_panels``, AVX512-VNNI
+      builds), all their products then multiplying them in place (:func:`panel_matmul`): where the
+      native kernel takes every row count of them and oneDNN none; empty: none.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -125,6 +129,7 @@ class MatmulKernels:
     weight_only_activations: str = "float"
     weight_only_gemm: bool = False
     dequantize_min_rows: int = 0
+    weight_only_panels: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.weight_only_activations not in WEIGHT_ONLY_ACTIVATIONS:
@@ -153,6 +158,9 @@ class MatmulKernels:
         if not isinstance(self.dequantize_min_rows, int) or self.dequantize_min_rows < 0:
             raise ValueError(f"MatmulKernels.dequantize_min_rows: expected an integer >= 0, "
                              f"got {self.dequantize_min_rows!r}")
+        if not isinstance(self.weight_only_panels, tuple) or not set(self.weight_only_panels) <= set(FLOAT_DTYPES):
+            raise ValueError(f"MatmulKernels.weight_only_panels: expected a tuple of {FLOAT_DTYPES}, "
+                             f"got {self.weight_only_panels!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -247,10 +255,14 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
         onednn = NOT_FASTER
     nk_dtypes, nk_min_inputs = _xla_weights_nk() if device_count == 1 else ((), 0)
     gemm = kernel == NATIVE and native.panel_gemm()
+    dequantize_min_rows = _dequantize_float_rows() if gemm else 0
+    # panels where the native kernel takes every row count: not below oneDNN, nor beside XLA's dot
+    panels = gemm and not dequantize_min_rows and native.stored_panels()
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
                          xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel,
-                         weight_only_gemm=gemm, dequantize_min_rows=_dequantize_float_rows() if gemm else 0)
+                         weight_only_gemm=gemm, dequantize_min_rows=dequantize_min_rows,
+                         weight_only_panels=tuple(d for d in ("float32", "bfloat16") if panels and d not in onednn[2]))
 
 
 def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
@@ -301,7 +313,7 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
         return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=(),
-                                   weight_only_gemm=False, dequantize_min_rows=0), "asked for"
+                                   weight_only_gemm=False, dequantize_min_rows=0, weight_only_panels=()), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:
@@ -311,8 +323,9 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
             raise ValueError(f"cpu_matmul='onednn' runs on one CPU device, not {caps.device_count}; valid here: "
                              f"'auto' or 'xla'")
         dtypes = tuple(d for d in ("float32", "bfloat16") if onednn.has_matmul(d))  # bf16 needs AVX-512
-        return dataclasses.replace(chosen, onednn_dtypes=dtypes, onednn_min_weight_bytes=0,
-                                   onednn_weight_only=("bfloat16",) if "avx512_bf16" in native.cpu_features() else ()), \
+        weight_only = ("bfloat16",) if "avx512_bf16" in native.cpu_features() else ()
+        return dataclasses.replace(chosen, onednn_dtypes=dtypes, onednn_min_weight_bytes=0, onednn_weight_only=weight_only,
+                                   weight_only_panels=tuple(d for d in chosen.weight_only_panels if d not in weight_only)), \
             "asked for"
     if chosen.onednn_dtypes:
         return chosen, (f"CPU: oneDNN for the products of {'/'.join(chosen.onednn_dtypes)} weights of "

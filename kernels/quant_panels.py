@@ -1,5 +1,5 @@
 """Weight-only int4/int8 weights laid out once as panels of sixteen outputs, and their product
-(``cpu/quant_panels.cc``; AVX512-VNNI builds, :func:`available`).
+(``cpu/quant_panels.cc``; AVX512-VNNI builds: ``native.stored_panels``).
 
 A weight-only leaf holds one output's codes after another (``packed`` [N, K/2] uint8 in GGUF's
 order, or [N, K] int8) with ``scales`` / ``offsets`` [N, G]. The native kernel's integer dot
@@ -67,12 +67,7 @@ class PanelWeight:
         return out
 
 
-def available() -> bool:
-    """Whether the native library built here multiplies panels (AVX512-VNNI)."""
-    return native.stored_panels()
-
-
-def can_lay_out(leaf) -> bool:
+def fits_panels(leaf) -> bool:
     """Whether a weight-only leaf fits the layout: a matrix of whole panels and runs, groups of whole runs."""
     packed, scales = leaf["packed"], leaf["scales"]
     if packed.ndim != 2 or scales.ndim != 2 or packed.dtype not in (np.uint8, np.int8):
@@ -84,7 +79,7 @@ def can_lay_out(leaf) -> bool:
 
 
 def to_panels(leaf: dict) -> PanelWeight:
-    """The panel layout of a weight-only leaf (``can_lay_out``); new arrays, on the leaf's device."""
+    """The panel layout of a weight-only leaf (``fits_panels``); new arrays, on the leaf's device."""
     packed = leaf["packed"]
     int4 = packed.dtype == jnp.uint8
     n = packed.shape[0]

@@ -40,7 +40,12 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      xla_weights_nk=caps.matmuls.xla_weights_nk,
                                                      xla_weights_nk_min_inputs=caps.matmuls.xla_weights_nk_min_inputs,
                                                      elementwise="native", weight_only_gemm=native.panel_gemm(),
-                                                     dequantize_min_rows=caps.matmuls.dequantize_min_rows)
+                                                     dequantize_min_rows=caps.matmuls.dequantize_min_rows,
+                                                     weight_only_panels=caps.matmuls.weight_only_panels)
+        # panels where the native kernel takes every row count of an activation dtype and oneDNN none
+        every_row = native.stored_panels() and not caps.matmuls.dequantize_min_rows
+        assert caps.matmuls.weight_only_panels == tuple(
+            d for d in ("float32", "bfloat16") if every_row and d not in caps.matmuls.onednn_weight_only)
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")
@@ -54,6 +59,7 @@ def test_capabilities_of_other_platforms_and_device_counts():
     assert several.matmuls.one_row == several.matmuls.weight_only == "xla"  # sharded programs keep XLA's dot
     assert several.matmuls.onednn_dtypes == () == several.matmuls.onednn_weight_only
     assert not several.matmuls.xla_weights_nk and not several.matmuls.weight_only_gemm
+    assert several.matmuls.weight_only_panels == ()
     assert several.matmuls.min_16bit_rows == 4                             # XLA:CPU's one-row GEMV
     for name in ("gpu", "cuda"):
         gpu = kernels.capabilities(name)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import count_compilations, make_llm, random_prompts, token_ids
-from jaxrunner import SamplingParams
+from jaxrunner import SamplingParams, kernels
 from jaxrunner.config import EngineConfig
 from jaxrunner.models import quant
 from jaxrunner.models.linear import w8a8_matmul
@@ -101,12 +101,20 @@ def test_quantized_engine_agrees_with_float_and_never_compiles_while_serving(
         tiny_checkpoints, float_tokens, quantization, min_agreement):
     prompts, exact = float_tokens
     llm = make_llm(tiny_checkpoints["llama"], quantization=quantization)
-    layer = llm.engine.model.params["layers"][0]
+    runner = llm.engine.executor.runner
+    layer = runner.plain_params()["layers"][0]
     assert quant.is_weight_only(layer["w_down"]) == (quantization != "w8a8")
     assert quant.is_int4(layer["w_down"]) == (quantization in ("int4", "w4a8"))
     matmuls = llm.engine.executor.runner.matmuls
     assert matmuls.weight_only_activations == ("int8" if quantization == "w4a8" else "float")
     assert ("native panel GEMMs" in llm.startup_report["cpu_matmul"]) == matmuls.weight_only_gemm
+    # where the panel kernel takes the model's activations, the step reads its layer weights laid
+    # out as panels, from which the plain ones come back
+    panels = quantization != "w8a8" and runner.params["final_norm"].dtype.name in matmuls.weight_only_panels
+    step_leaf = runner.params["layers"][0]["w_down"]
+    assert isinstance(step_leaf, kernels.PanelWeight) == panels
+    if panels:
+        np.testing.assert_array_equal(kernels.to_panels(layer["w_down"]).codes, step_leaf.codes)
     with count_compilations() as compiles:
         got = _greedy(llm, prompts)
         _greedy(llm, prompts[:1])  # a one-sequence decode: the native kernel's few-row path

@@ -222,7 +222,8 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
         assert _native_calls(gemm, chunk[:-4], w) == 1
         every = dataclasses.replace(few, weight_only_gemm=True, weight_only_activations=activations)
         assert _native_calls(functools.partial(linear.linear_f32, matmuls=every), chunk, w) == 1  # no limit
-    assert kernels.choose_matmuls("xla")[0].weight_only_gemm is False  # the plain baseline keeps XLA's dot
+    xla = kernels.choose_matmuls("xla")[0]
+    assert xla.weight_only_gemm is False and xla.weight_only_panels == ()  # the plain baseline keeps XLA's dot
     more = jnp.concatenate([x] * 5)  # float32: the kernel unpacks the weight, XLA multiplies
     assert jax.jit(linear_f32).lower(more, w).as_text().count(native.DEQUANTIZE_TARGET_NAME) == 1
     assert jax.jit(linear_f32).lower(more.astype(jnp.bfloat16), w).as_text().count("custom_call") == 0  # oneDNN's: elsewhere

@@ -48,6 +48,9 @@ def linear_f32(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
         return linear_f32(x, w.base, matmuls) + delta.reshape(*x.shape[:-1], -1)
     if quant.is_weight_only(w):
         return weight_only_matmul(x, w, matmuls)
+    if isinstance(w, kernels.PanelWeight):  # laid out at start-up (models.packed_weights): every row count
+        out = kernels.panel_matmul(x.reshape(-1, x.shape[-1]), w, matmuls.weight_only_activations == "int8")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if isinstance(w, dict):
         return w8a8_matmul(x, w).astype(jnp.float32)
     return matmul_f32_acc(x, w, matmuls)

@@ -12,6 +12,10 @@ weights (and an untied head) that stay on XLA's dot are held transposed instead,
 (:class:`TransposedWeight`): XLA:CPU's dot multiplied them faster that way (per CPU kind,
 ``kernels.platform_support.XLA_WEIGHTS_NK``).
 
+Where ``kernels.MatmulKernels.weight_only_panels`` names the model's activation dtype (its final
+norm's), the weight-only int8/int4 layer weights are laid out as panels of sixteen outputs instead
+(``kernels.PanelWeight``), which the native kernel multiplies in place at every row count.
+
 The packed tree is what the jitted step reads; users see the plain one (:func:`unpack`,
 :func:`plain_like`), bit for bit what was packed.
 """
@@ -22,6 +26,7 @@ import dataclasses
 import jax
 
 from jaxrunner import kernels
+from jaxrunner.models import quant
 
 HEAD = "lm_head"
 
@@ -53,10 +58,13 @@ def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) 
     """``params`` with the layer ``leaves`` and an untied output head packed where ``matmuls``
     packs their dtype and size, and the other float ones transposed where it names their dtype and
     they have enough inputs; the same tree when it changes nothing."""
-    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk:
+    panels = _activation_dtype(params) in matmuls.weight_only_panels
+    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk and not panels:
         return params
 
     def laid_out(w):
+        if quant.is_weight_only(w):
+            return kernels.to_panels(w) if panels and kernels.fits_panels(w) else w
         if not (isinstance(w, jax.Array) and w.ndim == 2 and jax.numpy.issubdtype(w.dtype, jax.numpy.floating)):
             return w  # quantized leaves, biases, norms
         if w.dtype.name in matmuls.onednn_dtypes and w.nbytes >= matmuls.onednn_min_weight_bytes:
@@ -72,20 +80,36 @@ def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) 
     return out
 
 
+def _activation_dtype(params: dict) -> str | None:
+    """The model's float dtype, as its final norm holds it (the activations' dtype)."""
+    norm = params.get("final_norm")
+    return norm.dtype.name if norm is not None else None
+
+
 def is_packed(leaf) -> bool:
-    """Whether ``leaf`` is laid out for the step (packed for oneDNN, or transposed)."""
-    return isinstance(leaf, (kernels.OnednnPackedWeight, TransposedWeight))
+    """Whether ``leaf`` is laid out for the step (packed for oneDNN, transposed, or as panels)."""
+    return isinstance(leaf, (kernels.OnednnPackedWeight, TransposedWeight, kernels.PanelWeight))
 
 
 def unpack(params: dict) -> dict:
     """The plain params a packed tree was made from (new arrays; the same tree when nothing is packed)."""
-    return _map_packed(params, lambda w: w.data.T if isinstance(w, TransposedWeight) else kernels.onednn_unpack(w))
+    def plain(w):
+        if isinstance(w, TransposedWeight):
+            return w.data.T
+        if isinstance(w, kernels.PanelWeight):
+            return kernels.from_panels(w)
+        return kernels.onednn_unpack(w)
+    return _map_packed(params, plain)
 
 
 def plain_like(params: dict) -> dict:
     """The plain params' shapes, dtypes and shardings, without unpacking (packed leaves become
-    ``jax.ShapeDtypeStruct``)."""
-    return _map_packed(params, lambda w: jax.ShapeDtypeStruct(w.plain_shape, w.dtype, sharding=w.data.sharding))
+    ``jax.ShapeDtypeStruct``, a panel weight the plain leaf's dict of them)."""
+    def like(w):
+        if isinstance(w, kernels.PanelWeight):
+            return w.plain_like()
+        return jax.ShapeDtypeStruct(w.plain_shape, w.dtype, sharding=w.data.sharding)
+    return _map_packed(params, like)
 
 
 def _map_packed(params: dict, plain) -> dict:
