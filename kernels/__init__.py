@@ -37,7 +37,7 @@ else:
         # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
         "PanelWeight": "quant_panels", "panel_matmul": "quant_panels", "to_panels": "quant_panels",
-        "from_panels": "quant_panels", "fits_panels": "quant_panels",
+        "from_panels": "quant_panels", "fits_panels": "quant_panels", "panel_rows": "quant_panels",
         "small_matmul_native": "native", "small_matmul_supported": "native",
         "silu_mul_native": "native", "silu_mul_supported": "native", "rotary_native": "native",
         "rotary_supported": "native",

@@ -106,6 +106,25 @@ def from_panels(w: PanelWeight) -> dict:
     return out
 
 
+def panel_rows(w: PanelWeight, ids) -> dict:
+    """Rows (outputs) ``ids`` of the weight ``w`` stands for, as a weight-only leaf's parts
+    (``packed``, ``scales``, ``offsets``): an embedding lookup in a tied table laid out as panels."""
+    quads = 4 if w.int4 else 8
+    panel, lane = ids // PANEL, ids % PANEL
+    codes = w.codes.reshape(w.codes.shape[0], w.k // RUN, quads, PANEL, 4)[panel, :, :, lane, :]
+    codes = codes.reshape(*ids.shape, -1)
+    if not w.int4:
+        codes = jax.lax.bitcast_convert_type(codes ^ jnp.uint8(0x80), jnp.int8)
+
+    def values(v):
+        return v.reshape(v.shape[0], -1, PANEL)[panel, :, lane]
+
+    out = {"packed": codes, "scales": values(w.scales)}
+    if w.offsets is not None:
+        out["offsets"] = values(w.offsets)
+    return out
+
+
 def _values_to_panels(values):
     n, groups = values.shape
     return values.reshape(n // PANEL, PANEL, groups).transpose(0, 2, 1).reshape(n // PANEL, groups * PANEL)

@@ -140,7 +140,11 @@ def test_tied_embedding_is_quantized_and_serves(tmp_path):
     prompts = random_prompts(4, 512, 3, 20, seed=4)
     exact = _greedy(make_llm(path), prompts)
     llm = make_llm(path, quantization="int8")
-    assert quant.is_weight_only(llm.engine.model.params["embed"])
+    runner = llm.engine.executor.runner
+    assert quant.is_weight_only(runner.plain_params()["embed"])
+    # laid out as panels where the layers are: the lookups then read their rows out of them
+    panels = runner.params["final_norm"].dtype.name in runner.matmuls.weight_only_panels
+    assert isinstance(runner.params["embed"], kernels.PanelWeight) == panels
     with count_compilations() as compiles:
         got = _greedy(llm, prompts)
     assert compiles == []

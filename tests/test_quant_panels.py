@@ -54,6 +54,17 @@ def test_layout_puts_four_bytes_of_each_output_in_a_dword():
         assert panels[p, r * 256 + 64 * q + 4 * o + b] == packed[n, 16 * r + 4 * q + b]
 
 
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_rows_read_out_of_panels_are_the_leafs_rows(fmt, group):
+    """An embedding lookup in a tied table laid out as panels: any ids, in any shape."""
+    leaf = {name: jnp.asarray(part) for name, part in _leaf(fmt, group, np.float16, n=64).items()}
+    ids = jnp.asarray([[0, 17, 63], [16, 15, 17]], jnp.int32)
+    got = kernels.panel_rows(kernels.to_panels(leaf), ids)
+    assert sorted(got) == sorted(leaf)
+    for name, part in leaf.items():
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(part)[np.asarray(ids)])
+
+
 def test_only_whole_panels_and_runs_fit():
     assert kernels.fits_panels(_leaf("int4", 32, np.float16, n=32))
     assert not kernels.fits_panels(_leaf("int4", 32, np.float16, n=40))  # not whole panels of 16 outputs

@@ -178,6 +178,8 @@ def embedding_rows(params, token_ids) -> jax.Array:
     gathered rows are dequantized)."""
     if quant.is_weight_only(params["embed"]):
         return quant.take_rows(params["embed"], token_ids, params["final_norm"].dtype)
+    if isinstance(params["embed"], kernels.PanelWeight):  # a tied table laid out for its logits
+        return quant.dequantize(kernels.panel_rows(params["embed"], token_ids), params["final_norm"].dtype)
     return jnp.take(params["embed"], token_ids, axis=0)
 
 
@@ -187,5 +189,7 @@ def output_logits(params, cfg: ModelConfig, hidden: jax.Array, matmuls: kernels.
     if cfg.tie_word_embeddings:
         if quant.is_weight_only(params["embed"]):  # [V, D] is the [N, K] orientation already
             return weight_only_matmul(hidden, params["embed"], matmuls)
+        if isinstance(params["embed"], kernels.PanelWeight):
+            return linear_f32(hidden, params["embed"], matmuls)
         return matmul_f32_acc(hidden, params["embed"], matmuls, contract=(-1, 1))
     return matmul_f32_acc(hidden, params["lm_head"], matmuls)

@@ -13,8 +13,10 @@ weights (and an untied head) that stay on XLA's dot are held transposed instead,
 ``kernels.platform_support.XLA_WEIGHTS_NK``).
 
 Where ``kernels.MatmulKernels.weight_only_panels`` names the model's activation dtype (its final
-norm's), the weight-only int8/int4 layer weights are laid out as panels of sixteen outputs instead
-(``kernels.PanelWeight``), which the native kernel multiplies in place at every row count.
+norm's), the weight-only int8/int4 layer weights, and a tied embedding quantized to int8, are laid
+out as panels of sixteen outputs instead (``kernels.PanelWeight``), which the native kernel
+multiplies in place at every row count (the embedding's token lookup reads its rows out of them,
+``models/layers.py``).
 
 The packed tree is what the jitted step reads; users see the plain one (:func:`unpack`,
 :func:`plain_like`), bit for bit what was packed.
@@ -29,6 +31,7 @@ from jaxrunner import kernels
 from jaxrunner.models import quant
 
 HEAD = "lm_head"
+EMBED = "embed"
 
 
 @jax.tree_util.register_pytree_node_class
@@ -57,7 +60,8 @@ class TransposedWeight:
 def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) -> dict:
     """``params`` with the layer ``leaves`` and an untied output head packed where ``matmuls``
     packs their dtype and size, and the other float ones transposed where it names their dtype and
-    they have enough inputs; the same tree when it changes nothing."""
+    they have enough inputs; where it lays weight-only ones out as panels for the model's dtype, those
+    of the layers and a tied quantized embedding so; the same tree when it changes nothing."""
     panels = _activation_dtype(params) in matmuls.weight_only_panels
     if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk and not panels:
         return params
@@ -77,6 +81,8 @@ def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) 
     out = {**params, "layers": layers}
     if HEAD in params:
         out[HEAD] = laid_out(params[HEAD])
+    if panels and quant.is_weight_only(params.get(EMBED)):  # a tied, quantized table: its logits read it whole
+        out[EMBED] = laid_out(params[EMBED])
     return out
 
 
