@@ -140,6 +140,7 @@ def panel_matmul(x, w: PanelWeight, int8_activations: bool = False):
     """``x`` [rows, K] (bf16 or float32) times the weight ``w`` stands for, float32 [rows, N]: the
     same integers as the native few-row kernel (x rounded to 16 bits per run of 32 inputs, or first
     to int8 with ``int8_activations``, the ``"w4a8"`` quantization)."""
+    native._require()  # built and registered with XLA (or why not)
     if x.ndim != 2 or x.shape[1] != w.k or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"panel_matmul: x must be [rows, {w.k}] bf16 or float32, got {x.dtype}{list(x.shape)}")
     offsets = w.offsets if w.offsets is not None else jnp.zeros((1, 1), w.scales.dtype)

@@ -120,3 +120,17 @@ def test_panel_product_refuses_a_mismatched_x():
     panels = kernels.to_panels({name: jnp.asarray(part) for name, part in _leaf("int4", 32, np.float16).items()})
     with pytest.raises(ValueError, match=r"x must be \[rows, 192\] bf16 or float32"):
         kernels.panel_matmul(jnp.zeros((2, 160), jnp.float32), panels)
+
+
+@needs_panels
+def test_panel_product_loads_the_library_itself():
+    """The first native call of a process may be a panel product (the kernel registers itself)."""
+    import subprocess
+    import sys
+    code = ("import jax.numpy as jnp, numpy as np\n"
+            "from jaxrunner import kernels\n"
+            "w = kernels.to_panels({'packed': jnp.zeros((16, 16), jnp.uint8), 'scales': jnp.ones((16, 1), jnp.float16)})\n"
+            "print(float(np.asarray(kernels.panel_matmul(jnp.ones((1, 32), jnp.float32), w)).sum()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0.0"
