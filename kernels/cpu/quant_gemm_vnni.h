@@ -1,6 +1,8 @@
-// Many-row weight-only products as integer GEMMs over panels of sixteen outputs, with
-// AVX512-VNNI, for quant_matmul.cc: int4 or int8 codes times x rounded to 16 bits per run of 32
-// inputs (quant_dot.h's QuantizedX: the same integers, planes and sums as the few-row walk).
+// Weight-only products as integer GEMMs over panels of sixteen outputs, with AVX512-VNNI: int4 or
+// int8 codes times x rounded to 16 bits per run of 32 inputs (quant_dot.h's QuantizedX: the same
+// integers, planes and sums as the few-row walk). quant_matmul.cc rearranges a weight as GGUF stores
+// it into panels at every call (VnniPanel, many rows); quant_panels.cc reads a weight laid out as
+// panels at load in place (StoredPanel, every row count).
 //
 // Why: the float32 panel (quant_gemm_f32.h) spends one FMA per input and sixteen outputs. Here
 // one vpdpbusd multiplies four inputs of sixteen outputs by four bytes of x, broadcast: x's two
@@ -41,7 +43,7 @@ struct VnniPanel {
 
 constexpr int64_t kStoredPanelAhead = 4096;  // how far ahead of the codes being read (StoredPanel)
 
-// A panel of a weight laid out so at load (jaxrunner/models/panel_weights.py), read in place.
+// A panel of a weight laid out so at load (kernels/quant_panels.py), read in place (quant_panels.cc).
 // Per run, int4: four 64-byte vectors, dword o of vector q holding output o's bytes 4q .. 4q + 3
 // of the run (GGUF order: the low nibbles are inputs 4q .., the high ones 16 + 4q ..), split into
 // the eight quads here; int8: the eight quads themselves, biased to unsigned at load. Per group,
