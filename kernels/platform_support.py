@@ -158,9 +158,9 @@ class MatmulKernels:
         if not isinstance(self.dequantize_min_rows, int) or self.dequantize_min_rows < 0:
             raise ValueError(f"MatmulKernels.dequantize_min_rows: expected an integer >= 0, "
                              f"got {self.dequantize_min_rows!r}")
-        if not isinstance(self.weight_only_panels, tuple) or not set(self.weight_only_panels) <= set(FLOAT_DTYPES):
-            raise ValueError(f"MatmulKernels.weight_only_panels: expected a tuple of {FLOAT_DTYPES}, "
-                             f"got {self.weight_only_panels!r}")
+        if not isinstance(self.weight_only_panels, tuple) or not set(self.weight_only_panels) <= {"float32", "bfloat16"}:
+            raise ValueError(f"MatmulKernels.weight_only_panels: expected a tuple of 'float32' and 'bfloat16' "
+                             f"(the activations the panel kernel takes), got {self.weight_only_panels!r}")
         if not isinstance(self.min_16bit_rows, int) or self.min_16bit_rows < 1:
             raise ValueError(f"MatmulKernels.min_16bit_rows: expected an integer >= 1, got {self.min_16bit_rows!r}")
 
@@ -324,9 +324,9 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
                              f"'auto' or 'xla'")
         dtypes = tuple(d for d in ("float32", "bfloat16") if onednn.has_matmul(d))  # bf16 needs AVX-512
         weight_only = ("bfloat16",) if "avx512_bf16" in native.cpu_features() else ()
-        return dataclasses.replace(chosen, onednn_dtypes=dtypes, onednn_min_weight_bytes=0, onednn_weight_only=weight_only,
-                                   weight_only_panels=tuple(d for d in chosen.weight_only_panels if d not in weight_only)), \
-            "asked for"
+        panels = tuple(d for d in chosen.weight_only_panels if d not in weight_only)  # oneDNN reads plain leaves
+        return dataclasses.replace(chosen, onednn_dtypes=dtypes, onednn_min_weight_bytes=0,
+                                   onednn_weight_only=weight_only, weight_only_panels=panels), "asked for"
     if chosen.onednn_dtypes:
         return chosen, (f"CPU: oneDNN for the products of {'/'.join(chosen.onednn_dtypes)} weights of "
                         f"{chosen.onednn_min_weight_bytes >> 20}+ MiB, packed at start-up, and of int8/int4 weights "

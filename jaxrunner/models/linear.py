@@ -65,9 +65,11 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     weights in registers and reads each byte once (a batch-1 decode streams the whole model per
     token, so bytes are time; a batch of decodes likewise). From ``ONEDNN_QUANT_MIN_ROWS`` rows of
     an activation dtype in ``matmuls.onednn_weight_only``, oneDNN's AMX matmul takes them instead,
-    the weight unpacked a tile at a time while in cache. Otherwise XLA's dot with float32 accumulation takes more rows,
-    the weight dequantized first: by the native kernel for float32 ``x`` (XLA's own unpacking fusion
-    was several times slower), by XLA in ``x``'s dtype otherwise.
+    the weight unpacked a tile at a time while in cache. Otherwise XLA's dot with float32
+    accumulation takes more rows, the weight dequantized first: by the native kernel for float32
+    ``x`` (XLA's own unpacking fusion was several times slower), by XLA in ``x``'s dtype otherwise.
+    A leaf laid out as panels at start-up (``kernels.PanelWeight``) never comes here:
+    :func:`linear_f32` sends all its rows to the panel kernel.
 
     With ``matmuls.weight_only_activations == "int8"`` (``"w4a8"``), ``x`` is rounded to int8 per
     run of 32 inputs on every path: by the native kernel where it takes the product, by
