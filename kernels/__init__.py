@@ -42,7 +42,7 @@ else:
         "silu_mul_native": "native", "silu_mul_supported": "native", "rotary_native": "native",
         "rotary_supported": "native",
         "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",
-        "onednn_quant_matmul": "onednn",
+        "onednn_quant_matmul": "onednn", "onednn_panel_matmul": "onednn",
         "OnednnPackedWeight": "onednn",
     }
     __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", "CPU_MATMUL_CHOICES", *_PUBLIC]

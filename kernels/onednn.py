@@ -25,15 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.kernels import native
+from jaxrunner.kernels.quant_panels import PanelWeight
 
 logger = logging.getLogger("jaxrunner")
 
 SOURCE = native.CPU_DIR / "onednn_matmul.cc"
 TARGET_NAME = "jaxrunner_cpu_onednn_matmul"
 PACK_TARGET, UNPACK_TARGET = "jaxrunner_cpu_onednn_pack", "jaxrunner_cpu_onednn_unpack"
-QUANT_TARGET = "jaxrunner_cpu_onednn_quant_matmul"
+QUANT_TARGET, PANEL_TARGET = "jaxrunner_cpu_onednn_quant_matmul", "jaxrunner_cpu_onednn_panel_matmul"
 SYMBOLS = {TARGET_NAME: "JaxrunnerCpuOnednnMatmul", PACK_TARGET: "JaxrunnerCpuOnednnPack",
-           UNPACK_TARGET: "JaxrunnerCpuOnednnUnpack", QUANT_TARGET: "JaxrunnerCpuOnednnQuantMatmul"}
+           UNPACK_TARGET: "JaxrunnerCpuOnednnUnpack", QUANT_TARGET: "JaxrunnerCpuOnednnQuantMatmul",
+           PANEL_TARGET: "JaxrunnerCpuOnednnPanelMatmul"}
 LIBRARY = "libdnnl.so.3"
 HEADER = "oneapi/dnnl/dnnl.hpp"
 DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-devel-cpu-gomp")  # the library, its headers
@@ -204,3 +206,16 @@ def onednn_quant_matmul(x: jax.Array, w: dict) -> jax.Array:
     call = jax.ffi.ffi_call(QUANT_TARGET, jax.ShapeDtypeStruct((x.shape[0], w["packed"].shape[0]), jnp.float32))
     return call(x, w["packed"], w["scales"], native.offsets_or_placeholder(w),
                 has_offsets=np.int64("offsets" in w))
+
+
+def onednn_panel_matmul(x: jax.Array, w: PanelWeight) -> jax.Array:
+    """:func:`onednn_quant_matmul` for a weight laid out as panels (``quant_panels.py``): the same
+    tiles, bit for bit, so the same float32 [M, N]."""
+    if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != w.k:
+        raise ValueError(f"the oneDNN panel matmul takes x [rows, {w.k}] bf16; got x {x.dtype}{list(x.shape)}")
+    library = _library()
+    if isinstance(library, str):
+        raise native.NativeKernelUnavailable(library)
+    offsets = w.offsets if w.offsets is not None else jnp.zeros((1, 1), w.scales.dtype)
+    call = jax.ffi.ffi_call(PANEL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
+    return call(x, w.codes, w.scales, offsets, has_offsets=np.int64(w.offsets is not None), int4=np.int64(w.int4))

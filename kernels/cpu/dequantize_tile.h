@@ -6,13 +6,16 @@
 // output's inputs contiguous), int4 two to a byte in GGUF's Q4_0 order (byte i of a run of 32
 // inputs holds input i in its low nibble, input i + 16 in its high one) or int8, with a scale (and
 // for int4 an offset) per output and group of inputs: w = scale * q (+ offset) in float32, then
-// rounded to bf16, as quant.dequantize computes it.
+// rounded to bf16, as quant.dequantize computes it. Or the same weight laid out as panels of
+// sixteen outputs (kernels/quant_panels.py), which give the same tile bit for bit.
 //
 // The tile layout is oneDNN's `BA16a64b2a` for a [K, T] weight: blocks of 64 columns, each a run
 // of blocks of 32 inputs; within one, 16 pairs of inputs, each pair's 64 columns holding the two
 // inputs side by side (AMX's VNNI pairs). An output's 32 inputs come out of the weights as one row
 // of 16 pairs, so 16 outputs at a time are transposed (16 x 16 units of 32 bits) into the block.
-// Columns past N in the last block are zero (oneDNN reads its padding).
+// Columns past N in the last block are zero (oneDNN reads its padding). A panel holds its sixteen
+// outputs side by side already, four inputs to a 32-bit lane: there each pair of inputs is unpacked
+// for the sixteen at once, and nothing is transposed.
 //
 // AVX-512 with BF16 (every CPU with AMX has it): compiled for those features whatever the build
 // flags, and called only where the matmul table chose oneDNN (kernels/platform_support.py).
@@ -34,11 +37,12 @@ constexpr int64_t kTileColumns = 64;  // columns per block of the tile layout
 constexpr int64_t kTileInputs = 32;   // inputs per block: 16 VNNI pairs
 
 struct QuantView {
-  const void* packed;   // uint8 [N, K/2] (int4) or int8 [N, K]
-  const void* scales;   // [N, G], float16 or float32
+  const void* packed;   // uint8 [N, K/2] (int4) or int8 [N, K]; panels: uint8 [N/16, K/32 * (256 or 512)]
+  const void* scales;   // [N, G], float16 or float32; panels: [N/16, G * 16]
   const void* offsets;  // like scales: int4 only
   int64_t n, k, groups;
   bool int4, f16;
+  bool panels = false;  // laid out as panels (N a multiple of 16)
 };
 
 // Tile bytes: [K, width] bf16 with width padded to whole blocks of kTileColumns.
@@ -122,10 +126,110 @@ JAXRUNNER_AVX512_BF16 void DequantizeBlocks(const QuantView& w, int64_t n0, int6
   }
 }
 
+// Sixteen values of one scale group, a lane each, from a panel's [G * 16] row of them.
+template <bool kF16>
+JAXRUNNER_INLINE_AVX512_BF16 __m512 PanelLanes(const void* p, int64_t index) {
+  if constexpr (kF16) return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p) + index));
+  return _mm512_loadu_ps(static_cast<const float*>(p) + 16 * index);
+}
+
+// Input pairs (a, b) of sixteen outputs, float32 in lanes, as sixteen bf16 pairs: a low, b high.
+JAXRUNNER_INLINE_AVX512_BF16 __m512i Bf16Pairs(__m512 a, __m512 b) {
+  const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,
+                                               0x00150005, 0x00160006, 0x00170007, 0x00180008, 0x00190009,
+                                               0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e,
+                                               0x001f000f);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// Codes q of sixteen outputs, int32 in lanes, as weights: multiply, then add, each rounded, as
+// quant.dequantize does.
+template <bool kInt4>
+JAXRUNNER_INLINE_AVX512_BF16 __m512 PanelValues(__m512i q, __m512 scale, __m512 offset) {
+  const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+  return kInt4 ? _mm512_add_ps(w, offset) : w;
+}
+
+// Pair `pair` of the tile block from the codes of its two inputs.
+template <bool kInt4>
+JAXRUNNER_INLINE_AVX512_BF16 void StorePair(uint32_t* out, int pair, __m512i q0, __m512i q1, __m512 scale,
+                                            __m512 offset) {
+  _mm512_store_si512(out + pair * kTileColumns,
+                     Bf16Pairs(PanelValues<kInt4>(q0, scale, offset), PanelValues<kInt4>(q1, scale, offset)));
+}
+
+// Int4 codes at bit `shift` of each lane.
+JAXRUNNER_INLINE_AVX512_BF16 __m512i Nibbles(__m512i v, int shift) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15));
+}
+
+// Signed int8 codes in byte `byte` of each lane.
+JAXRUNNER_INLINE_AVX512_BF16 __m512i SignedBytes(__m512i v, int byte) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * byte), 24);
+}
+
+// One run of a panel (16 outputs x 32 inputs) as its 16 pairs of the tile block, `out` + j *
+// kTileColumns for pair j. int4: vector q's lane o holds bytes 4q .. 4q + 3 of output o's run, each
+// input 4q + b in its low nibble and 4q + b + 16 in its high one; int8: vector q holds inputs
+// 4q .. 4q + 3, plus 128.
+template <bool kInt4>
+JAXRUNNER_INLINE_AVX512_BF16 void DequantizePanelRun(const __m512i* run, __m512 scale, __m512 offset, uint32_t* out) {
+  if constexpr (kInt4) {
+    for (int q = 0; q < 4; ++q) {
+      const __m512i v = _mm512_loadu_si512(run + q);
+      StorePair<true>(out, 2 * q, Nibbles(v, 0), Nibbles(v, 8), scale, offset);
+      StorePair<true>(out, 2 * q + 1, Nibbles(v, 16), Nibbles(v, 24), scale, offset);
+      StorePair<true>(out, 8 + 2 * q, Nibbles(v, 4), Nibbles(v, 12), scale, offset);
+      StorePair<true>(out, 9 + 2 * q, Nibbles(v, 20), Nibbles(v, 28), scale, offset);
+    }
+  } else {
+    for (int q = 0; q < 8; ++q) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(run + q), _mm512_set1_epi32(int32_t(0x80808080u)));
+      StorePair<false>(out, 2 * q, SignedBytes(v, 0), SignedBytes(v, 1), scale, offset);
+      StorePair<false>(out, 2 * q + 1, SignedBytes(v, 2), SignedBytes(v, 3), scale, offset);
+    }
+  }
+}
+
+template <bool kInt4, bool kF16>
+JAXRUNNER_AVX512_BF16 void DequantizePanelBlocks(const QuantView& w, int64_t n0, int64_t width, uint16_t* tile) {
+  constexpr int64_t kRunBytes = kInt4 ? 256 : 512;  // a panel's run: sixteen outputs' codes of 32 inputs
+  const int64_t runs = w.k / kTileInputs, blocks = (width + kTileColumns - 1) / kTileColumns;
+  const int64_t runs_per_group = runs / w.groups;
+  for (int64_t block = 0; block < blocks; ++block) {
+    for (int64_t sub = 0; sub < kTileColumns / 16; ++sub) {
+      const int64_t first = n0 + block * kTileColumns + sub * 16, panel = first / 16;
+      uint32_t* out = reinterpret_cast<uint32_t*>(tile) + block * runs * (kTileColumns * kTileInputs / 2) + sub * 16;
+      if (first >= n0 + width) {  // past N: zeros
+        for (int64_t pair = 0; pair < runs * kTileInputs / 2; ++pair)
+          _mm512_store_si512(out + pair * kTileColumns, _mm512_setzero_si512());
+        continue;
+      }
+      const __m512i* codes = reinterpret_cast<const __m512i*>(static_cast<const uint8_t*>(w.packed) +
+                                                              panel * runs * kRunBytes);
+      __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
+      for (int64_t kb = 0; kb < runs; ++kb, out += kTileColumns * kTileInputs / 2) {
+        if (kb % runs_per_group == 0) {  // groups are whole runs
+          const int64_t index = panel * w.groups + kb / runs_per_group;
+          scale = PanelLanes<kF16>(w.scales, index);
+          if constexpr (kInt4) offset = PanelLanes<kF16>(w.offsets, index);
+        }
+        DequantizePanelRun<kInt4>(codes + kb * kRunBytes / 64, scale, offset, out);
+      }
+    }
+  }
+}
+
 // Columns [n0, n0 + width) of the weight, all K inputs (K a multiple of 32), into `tile`
 // (TileBytes(k, width) bytes, 64-byte aligned) in the layout above.
 inline void DequantizeTile(const QuantView& w, int64_t n0, int64_t width, uint16_t* tile) {
-  if (w.int4) {
+  if (w.panels) {
+    if (w.int4) {
+      w.f16 ? DequantizePanelBlocks<true, true>(w, n0, width, tile) : DequantizePanelBlocks<true, false>(w, n0, width, tile);
+    } else {
+      w.f16 ? DequantizePanelBlocks<false, true>(w, n0, width, tile) : DequantizePanelBlocks<false, false>(w, n0, width, tile);
+    }
+  } else if (w.int4) {
     w.f16 ? DequantizeBlocks<true, true>(w, n0, width, tile) : DequantizeBlocks<true, false>(w, n0, width, tile);
   } else {
     w.f16 ? DequantizeBlocks<false, true>(w, n0, width, tile) : DequantizeBlocks<false, false>(w, n0, width, tile);

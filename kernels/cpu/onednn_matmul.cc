@@ -1,7 +1,7 @@
 // Matmul through oneDNN for XLA:CPU, as XLA FFI custom calls: y [M, N] float32 = x [M, K] . W, on
 // weights packed once into oneDNN's blocked layout (x and W both bfloat16 or both float32), and on
-// weight-only int4/int8 weights as they are, a tile of columns unpacked at a time (x bfloat16; see
-// the section below and dequantize_tile.h).
+// weight-only int4/int8 weights as they are or laid out as panels, a tile of columns unpacked at a
+// time (x bfloat16; see the section below and dequantize_tile.h).
 //
 // Why: XLA:CPU's bf16 dot leaves AMX unused; oneDNN's brgemm kernels use it (the library torch and
 // vLLM's CPU build call). Two things decide how fast they run inside an XLA step:
@@ -342,6 +342,41 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pa
   return ffi::Error::Success();
 }
 
+// The same product for a weight laid out as panels (kernels/quant_panels.py): the tiles come out
+// the same, bit for bit.
+ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
+                       ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> y, int64_t has_offsets, int64_t int4) {
+  using ffi::DataType;
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
+  const bool f16 = scales.element_type() == DataType::F16;
+  if (x.element_type() != DataType::BF16 || codes.element_type() != DataType::U8 ||
+      (!f16 && scales.element_type() != DataType::F32) || offsets.element_type() != scales.element_type())
+    return ffi::Error::InvalidArgument("onednn panel matmul: x bf16, codes uint8, scales and offsets both f32 or "
+                                       "both f16");
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("onednn panel matmul: all operands must be matrices");
+  const int64_t m = xd[0], k = xd[1], n = cd[0] * 16, runs = k / jaxrunner_cpu::kTileInputs, groups = sd[1] / 16;
+  if (m < 1 || k % jaxrunner_cpu::kTileInputs != 0 || cd[1] != runs * (int4 ? 256 : 512) || sd[0] != cd[0] ||
+      sd[1] % 16 != 0 || groups < 1 || runs % groups != 0)
+    return ffi::Error::InvalidArgument("onednn panel matmul: shapes do not match, or groups are not whole runs of 32");
+  if (has_offsets != int4 || (int4 && (offsets.dimensions().size() != 2 || offsets.dimensions()[0] != sd[0] ||
+                                       offsets.dimensions()[1] != sd[1])))
+    return ffi::Error::InvalidArgument("onednn panel matmul: int4 takes offsets shaped like scales, int8 none");
+  if (!__builtin_cpu_supports("avx512bf16"))
+    return ffi::Error::InvalidArgument("onednn panel matmul: this CPU has no AVX512-BF16");
+  QuantCall call{x.untyped_data(),
+                 {codes.untyped_data(), scales.untyped_data(), has_offsets ? offsets.untyped_data() : nullptr, n, k,
+                  groups, int4 != 0, f16},
+                 static_cast<float*>(y->untyped_data()), m};
+  call.w.panels = true;
+  try {
+    RunHalves(pool, m, RunQuantHalf, &call, FirstHalfWidth(n) < n ? 2 : 1);
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("onednn panel matmul: ") + err.what());
+  }
+  return ffi::Error::Success();
+}
+
 // Plain W ([K, N], or [N, K] when transposed) to packed bytes (to_packed), or back.
 ffi::Error Reorder(void* plain, uint8_t* packed, int64_t k, int64_t n, bool bf16, bool transposed, bool to_packed) {
   try {
@@ -422,3 +457,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnQuantMatmul, QuantMatmul,
                                   .Arg<ffi::AnyBuffer>()  // offsets [N, G] like scales (int4; a placeholder for int8)
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32
                                   .Attr<int64_t>("has_offsets"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuOnednnPanelMatmul, PanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
+                                  .Arg<ffi::AnyBuffer>()  // codes [N / 16, K / 32 * (256 or 512)] uint8
+                                  .Arg<ffi::AnyBuffer>()  // scales [N / 16, G * 16] f32 or f16
+                                  .Arg<ffi::AnyBuffer>()  // offsets like scales (int4; a placeholder for int8)
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32
+                                  .Attr<int64_t>("has_offsets")
+                                  .Attr<int64_t>("int4"));
