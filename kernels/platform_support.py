@@ -111,8 +111,10 @@ class MatmulKernels:
       :data:`DEQUANTIZE_FLOAT_ROWS`.
     * ``weight_only_panels``: activation dtypes of models whose weight-only layer weights are laid
       out once, at start-up, as panels of sixteen outputs (``kernels.quant_panels``, AVX512-VNNI
-      builds), all their products then multiplying them in place (:func:`panel_matmul`): where the
-      native kernel takes every row count of them and oneDNN none; empty: none.
+      builds), all their products then reading them in place: the native kernel's
+      (:func:`panel_matmul`), and from oneDNN's rows on, for a dtype in ``onednn_weight_only``,
+      oneDNN's, each tile unpacked from the panels (:func:`onednn_panel_matmul`). Where the native
+      kernel would take every row count not oneDNN's; empty: none.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -256,13 +258,13 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     nk_dtypes, nk_min_inputs = _xla_weights_nk() if device_count == 1 else ((), 0)
     gemm = kernel == NATIVE and native.panel_gemm()
     dequantize_min_rows = _dequantize_float_rows() if gemm else 0
-    # panels where the native kernel takes every row count: not below oneDNN, nor beside XLA's dot
+    # panels where the native kernel takes every row count oneDNN does not: not beside XLA's dot
     panels = gemm and not dequantize_min_rows and native.stored_panels()
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
                          xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel,
                          weight_only_gemm=gemm, dequantize_min_rows=dequantize_min_rows,
-                         weight_only_panels=tuple(d for d in ("float32", "bfloat16") if panels and d not in onednn[2]))
+                         weight_only_panels=("float32", "bfloat16") if panels else ())
 
 
 def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
@@ -324,9 +326,8 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
                              f"'auto' or 'xla'")
         dtypes = tuple(d for d in ("float32", "bfloat16") if onednn.has_matmul(d))  # bf16 needs AVX-512
         weight_only = ("bfloat16",) if "avx512_bf16" in native.cpu_features() else ()
-        panels = tuple(d for d in chosen.weight_only_panels if d not in weight_only)  # oneDNN reads plain leaves
         return dataclasses.replace(chosen, onednn_dtypes=dtypes, onednn_min_weight_bytes=0,
-                                   onednn_weight_only=weight_only, weight_only_panels=panels), "asked for"
+                                   onednn_weight_only=weight_only), "asked for"
     if chosen.onednn_dtypes:
         return chosen, (f"CPU: oneDNN for the products of {'/'.join(chosen.onednn_dtypes)} weights of "
                         f"{chosen.onednn_min_weight_bytes >> 20}+ MiB, packed at start-up, and of int8/int4 weights "

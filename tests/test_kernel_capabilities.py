@@ -42,10 +42,9 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      elementwise="native", weight_only_gemm=native.panel_gemm(),
                                                      dequantize_min_rows=caps.matmuls.dequantize_min_rows,
                                                      weight_only_panels=caps.matmuls.weight_only_panels)
-        # panels where the native kernel takes every row count of an activation dtype and oneDNN none
+        # panels where the native kernel takes every row count oneDNN does not (oneDNN reads them too)
         every_row = native.stored_panels() and not caps.matmuls.dequantize_min_rows
-        assert caps.matmuls.weight_only_panels == tuple(
-            d for d in ("float32", "bfloat16") if every_row and d not in caps.matmuls.onednn_weight_only)
+        assert caps.matmuls.weight_only_panels == (("float32", "bfloat16") if every_row else ())
     else:  # no compiler (or a failed build): the reason, and XLA everywhere
         assert caps.attention["native"] == caps.native_cpu and caps.native_cpu
         assert caps.native_cpu_status.startswith("unavailable, XLA fallback in use: ")

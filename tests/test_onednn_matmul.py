@@ -267,6 +267,60 @@ def test_many_bf16_rows_of_weight_only_products_go_to_onednn():
     assert custom_calls(onednn.QUANT_TARGET, without, jnp.zeros((64, 64), jnp.bfloat16), leaf) == 0
 
 
+@needs_avx512_bf16
+@pytest.mark.parametrize("fmt, group, scale_dtype", [("int4", 32, jnp.float16), ("int4", 64, jnp.float32),
+                                                     ("int8", 32, jnp.float16), ("int8", 0, jnp.float32)])
+@pytest.mark.parametrize("rows", [5, 130])
+@pytest.mark.parametrize("k, n", [(576, 960), (64, 112), (2048, 304)])
+def test_weight_only_products_read_panels_bit_for_bit(fmt, group, scale_dtype, rows, k, n):
+    """Laid out as panels (``kernels.to_panels``), a weight unpacks into the same bf16 tiles, so
+    oneDNN's product equals the one on the plain leaf bit for bit, and so the bf16 weight's: one
+    tile or several, one half or two, a last block of 64 columns part-filled by whole panels."""
+    rng = np.random.default_rng(rows * 5 + k + n + group)
+    leaf = _weight_only_leaf(rng, fmt, n, k, group, scale_dtype)
+    x = normal(rng, (rows, k))
+    got = np.asarray(jax.jit(onednn.onednn_panel_matmul)(x, kernels.to_panels(leaf)))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(onednn.onednn_quant_matmul)(x, leaf)))
+    assert_matches_float64(got, x, _dequantized_bf16(leaf), transposed=True)
+
+
+@needs_avx512_bf16
+def test_a_panel_output_sees_only_its_own_weights():
+    """A NaN scale (int4) or offset poisons its output alone, read out of panels: at the edges of a
+    panel, of a block of 64 columns, at the halves' seam and in the part-filled last block."""
+    rng = np.random.default_rng(6)
+    leaf = _weight_only_leaf(rng, "int4", 304, 2048, 32, jnp.float32)
+    poisoned = (0, 15, 16, 63, 191, 192, 303)
+    leaf["scales"] = leaf["scales"].at[poisoned[:4], 7].set(jnp.nan)
+    leaf["offsets"] = leaf["offsets"].at[poisoned[4:], 63].set(jnp.nan)
+    got = np.asarray(jax.jit(onednn.onednn_panel_matmul)(normal(rng, (40, 2048)), kernels.to_panels(leaf)))
+    assert np.isnan(got[:, poisoned]).all() and np.isfinite(np.delete(got, poisoned, axis=1)).all()
+
+
+@needs_onednn
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_many_bf16_rows_of_a_panel_weight_go_to_onednn(activations):
+    """A weight laid out as panels takes the same routes as the plain leaf: bf16 products of
+    ``ONEDNN_QUANT_MIN_ROWS`` rows or more on oneDNN (reading the panels), fewer, and float32 ones,
+    on the native panel kernel; ``"w4a8"`` rounds x to int8 before oneDNN's product as before the
+    plain leaf's."""
+    matmuls = kernels.MatmulKernels(weight_only="native", onednn_weight_only=("bfloat16",),
+                                    weight_only_activations=activations)
+    rng = np.random.default_rng(7)
+    leaf = _weight_only_leaf(rng, "int4", 96, 64, 32, jnp.float16)
+    panels = kernels.to_panels(leaf)
+    product = functools.partial(linear.linear_f32, matmuls=matmuls)
+    fewest = linear.ONEDNN_QUANT_MIN_ROWS
+    for rows, dtype, want in ((fewest - 1, jnp.bfloat16, 0), (fewest, jnp.bfloat16, 1), (64, jnp.bfloat16, 1),
+                              (64, jnp.float32, 0)):
+        x = jnp.zeros((rows, 64), dtype)
+        assert custom_calls(onednn.PANEL_TARGET, product, x, panels) == want, (rows, dtype)
+        assert custom_calls(native.PANEL_MATMUL_TARGET_NAME, product, x, panels) == 1 - want, (rows, dtype)
+    if onednn.unavailable_reason() is None and "avx512_bf16" in native.cpu_features():
+        x = normal(rng, (fewest + 3, 64))
+        np.testing.assert_array_equal(np.asarray(jax.jit(product)(x, panels)), np.asarray(jax.jit(product)(x, leaf)))
+
+
 @needs_onednn
 def test_weight_only_inputs_it_cannot_take_say_why():
     leaf = _weight_only_leaf(np.random.default_rng(5), "int4", 64, 64, 32, jnp.float16)
@@ -274,6 +328,8 @@ def test_weight_only_inputs_it_cannot_take_say_why():
         onednn.onednn_quant_matmul(jnp.zeros((20, 64), jnp.float32), leaf)
     with pytest.raises(ValueError, match="groups of whole runs of 32"):
         onednn.onednn_quant_matmul(jnp.zeros((20, 96), jnp.bfloat16), leaf)
+    with pytest.raises(ValueError, match=r"the oneDNN panel matmul takes x \[rows, 64\] bf16"):
+        onednn.onednn_panel_matmul(jnp.zeros((20, 64), jnp.float32), kernels.to_panels(leaf))
 
 
 # ----------------------------------------------------------------------------- the engine option

@@ -48,9 +48,8 @@ def linear_f32(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
         return linear_f32(x, w.base, matmuls) + delta.reshape(*x.shape[:-1], -1)
     if quant.is_weight_only(w):
         return weight_only_matmul(x, w, matmuls)
-    if isinstance(w, kernels.PanelWeight):  # laid out at start-up (models.packed_weights): every row count
-        out = kernels.panel_matmul(x.reshape(-1, x.shape[-1]), w, matmuls.weight_only_activations == "int8")
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    if isinstance(w, kernels.PanelWeight):  # laid out at start-up (models.packed_weights)
+        return panel_weight_matmul(x, w, matmuls)
     if isinstance(w, dict):
         return w8a8_matmul(x, w).astype(jnp.float32)
     return matmul_f32_acc(x, w, matmuls)
@@ -68,8 +67,8 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     the weight unpacked a tile at a time while in cache. Otherwise XLA's dot with float32
     accumulation takes more rows, the weight dequantized first: by the native kernel for float32
     ``x`` (XLA's own unpacking fusion was several times slower), by XLA in ``x``'s dtype otherwise.
-    A leaf laid out as panels at start-up (``kernels.PanelWeight``) never comes here:
-    :func:`linear_f32` sends all its rows to the panel kernel.
+    A leaf laid out as panels at start-up (``kernels.PanelWeight``) goes to
+    :func:`panel_weight_matmul` instead.
 
     With ``matmuls.weight_only_activations == "int8"`` (``"w4a8"``), ``x`` is rounded to int8 per
     run of 32 inputs on every path: by the native kernel where it takes the product, by
@@ -94,6 +93,21 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
             dense = quant.dequantize(w, x.dtype)
         out = matmul_f32_acc(x2, dense, matmuls, contract=(-1, 1))
     return out.reshape(*lead, out.shape[-1])
+
+
+def panel_weight_matmul(x: jax.Array, w: kernels.PanelWeight, matmuls: kernels.MatmulKernels) -> jax.Array:
+    """``x`` [..., K] times a weight-only leaf laid out as panels, float32 result: from
+    ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in ``matmuls.onednn_weight_only`` on
+    oneDNN (each tile unpacked from the panels), every other row count on the native panel kernel.
+    ``"w4a8"`` rounds ``x`` to int8 on both (the native kernel itself)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    int8_activations = matmuls.weight_only_activations == "int8"
+    if x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only:
+        rounded = quant.round_activations_int8(x2).astype(x2.dtype) if int8_activations else x2
+        out = kernels.onednn_panel_matmul(rounded, w)
+    else:
+        out = kernels.panel_matmul(x2, w, int8_activations)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) -> str | None:

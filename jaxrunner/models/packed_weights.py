@@ -14,9 +14,9 @@ weights (and an untied head) that stay on XLA's dot are held transposed instead,
 
 Where ``kernels.MatmulKernels.weight_only_panels`` names the model's activation dtype (its final
 norm's), the weight-only int8/int4 layer weights, and a tied embedding quantized to int8, are laid
-out as panels of sixteen outputs instead (``kernels.PanelWeight``), which the native kernel
-multiplies in place at every row count (the embedding's token lookup reads its rows out of them,
-``models/layers.py``).
+out as panels of sixteen outputs instead (``kernels.PanelWeight``), which every product reads in
+place: the native kernel's, and oneDNN's where it takes the rows (``models.linear``); the
+embedding's token lookup reads its rows out of them (``models/layers.py``).
 
 The packed tree is what the jitted step reads; users see the plain one (:func:`unpack`,
 :func:`plain_like`), bit for bit what was packed.
