@@ -250,23 +250,6 @@ def test_a_weight_only_output_sees_only_its_own_weights():
     assert np.isnan(got[:, poisoned]).all() and np.isfinite(np.delete(got, poisoned, axis=1)).all()
 
 
-@needs_onednn
-def test_many_bf16_rows_of_weight_only_products_go_to_onednn():
-    """With ``onednn_weight_only``, bf16 products of ``ONEDNN_QUANT_MIN_ROWS`` rows or more go to
-    oneDNN; fewer stay on the native kernel, and float32 rows never go."""
-    matmuls = kernels.MatmulKernels(weight_only="native", onednn_weight_only=("bfloat16",))
-    leaf = _weight_only_leaf(np.random.default_rng(4), "int4", 96, 64, 32, jnp.float16)
-    product = functools.partial(linear.linear_f32, matmuls=matmuls)
-    fewest = linear.ONEDNN_QUANT_MIN_ROWS
-    for rows, dtype, want in ((fewest - 1, jnp.bfloat16, 0), (fewest, jnp.bfloat16, 1), (64, jnp.bfloat16, 1),
-                              (64, jnp.float32, 0)):
-        x = jnp.zeros((rows, 64), dtype)
-        assert custom_calls(onednn.QUANT_TARGET, product, x, leaf) == want, (rows, dtype)
-        assert custom_calls(native.QUANT_MATMUL_TARGET_NAME, product, x, leaf) == (rows < fewest), (rows, dtype)
-    without = functools.partial(linear.linear_f32, matmuls=kernels.MatmulKernels(weight_only="native"))
-    assert custom_calls(onednn.QUANT_TARGET, without, jnp.zeros((64, 64), jnp.bfloat16), leaf) == 0
-
-
 @needs_avx512_bf16
 @pytest.mark.parametrize("fmt, group, scale_dtype", [("int4", 32, jnp.float16), ("int4", 64, jnp.float32),
                                                      ("int8", 32, jnp.float16), ("int8", 0, jnp.float32)])
@@ -298,27 +281,32 @@ def test_a_panel_output_sees_only_its_own_weights():
 
 
 @needs_onednn
+@pytest.mark.parametrize("layout", ["plain", "panels"])
 @pytest.mark.parametrize("activations", ["float", "int8"])
-def test_many_bf16_rows_of_a_panel_weight_go_to_onednn(activations):
-    """A weight laid out as panels takes the same routes as the plain leaf: bf16 products of
-    ``ONEDNN_QUANT_MIN_ROWS`` rows or more on oneDNN (reading the panels), fewer, and float32 ones,
-    on the native panel kernel; ``"w4a8"`` rounds x to int8 before oneDNN's product as before the
-    plain leaf's."""
+def test_many_bf16_rows_of_weight_only_products_go_to_onednn(layout, activations):
+    """With ``onednn_weight_only``, bf16 products of ``ONEDNN_QUANT_MIN_ROWS`` rows or more go to
+    oneDNN; fewer stay on the native kernel, and float32 rows never go. A weight laid out as panels
+    takes the same routes, reading the panels on both, with the plain leaf's results (``"w4a8"``
+    rounds x to int8 before oneDNN's product of either)."""
     matmuls = kernels.MatmulKernels(weight_only="native", onednn_weight_only=("bfloat16",),
                                     weight_only_activations=activations)
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(4)
     leaf = _weight_only_leaf(rng, "int4", 96, 64, 32, jnp.float16)
-    panels = kernels.to_panels(leaf)
+    w, onednn_target, native_target = ((leaf, onednn.QUANT_TARGET, native.QUANT_MATMUL_TARGET_NAME) if layout == "plain"
+                                       else (kernels.to_panels(leaf), onednn.PANEL_TARGET, native.PANEL_MATMUL_TARGET_NAME))
     product = functools.partial(linear.linear_f32, matmuls=matmuls)
     fewest = linear.ONEDNN_QUANT_MIN_ROWS
     for rows, dtype, want in ((fewest - 1, jnp.bfloat16, 0), (fewest, jnp.bfloat16, 1), (64, jnp.bfloat16, 1),
                               (64, jnp.float32, 0)):
         x = jnp.zeros((rows, 64), dtype)
-        assert custom_calls(onednn.PANEL_TARGET, product, x, panels) == want, (rows, dtype)
-        assert custom_calls(native.PANEL_MATMUL_TARGET_NAME, product, x, panels) == 1 - want, (rows, dtype)
-    if onednn.unavailable_reason() is None and "avx512_bf16" in native.cpu_features():
+        assert custom_calls(onednn_target, product, x, w) == want, (rows, dtype)
+        on_native = rows < fewest if layout == "plain" else not want  # plain 64 float32 rows: dequantized for XLA
+        assert custom_calls(native_target, product, x, w) == on_native, (rows, dtype)
+    without = functools.partial(linear.linear_f32, matmuls=kernels.MatmulKernels(weight_only="native"))
+    assert custom_calls(onednn_target, without, jnp.zeros((64, 64), jnp.bfloat16), w) == 0
+    if layout == "panels" and onednn.unavailable_reason() is None and "avx512_bf16" in native.cpu_features():
         x = normal(rng, (fewest + 3, 64))
-        np.testing.assert_array_equal(np.asarray(jax.jit(product)(x, panels)), np.asarray(jax.jit(product)(x, leaf)))
+        np.testing.assert_array_equal(np.asarray(jax.jit(product)(x, w)), np.asarray(jax.jit(product)(x, leaf)))
 
 
 @needs_onednn
