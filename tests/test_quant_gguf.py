@@ -59,7 +59,7 @@ def test_engine_serves_the_files_own_blocks(tmp_path, qtype):
     checkpoint = open_gguf(path)
     from jaxrunner.models.registry import config_from_hf
     floats = host_params_from_state_dict(checkpoint.state_dict, config_from_hf(checkpoint.hf_config))
-    for i, layer in enumerate(llm.engine.model.params["layers"]):
+    for i, layer in enumerate(llm.engine.executor.runner.plain_params()["layers"]):  # as loaded, not laid out
         for name in quant.QUANTIZED_WEIGHTS:
             leaf = {key: np.asarray(part) for key, part in layer[name].items()}
             assert leaf["packed"].dtype == (np.int8 if qtype == Q.Q8_0 else np.uint8)
