@@ -113,8 +113,8 @@ class MatmulKernels:
       out once, at start-up, as panels of sixteen outputs (``kernels.quant_panels``, AVX512-VNNI
       builds), all their products then reading them in place: the native kernel's
       (:func:`panel_matmul`), and from oneDNN's rows on, for a dtype in ``onednn_weight_only``,
-      oneDNN's, each tile unpacked from the panels (:func:`onednn_panel_matmul`). Where the native
-      kernel would take every row count not oneDNN's; empty: none.
+      oneDNN's, each tile unpacked from the panels (:func:`onednn_panel_matmul`). Set where the
+      native kernel takes every row count that oneDNN does not; empty: none.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """

@@ -99,7 +99,7 @@ def panel_weight_matmul(x: jax.Array, w: kernels.PanelWeight, matmuls: kernels.M
     """``x`` [..., K] times a weight-only leaf laid out as panels, float32 result: from
     ``ONEDNN_QUANT_MIN_ROWS`` rows of an activation dtype in ``matmuls.onednn_weight_only`` on
     oneDNN (each tile unpacked from the panels), every other row count on the native panel kernel.
-    ``"w4a8"`` rounds ``x`` to int8 on both (the native kernel itself)."""
+    ``"w4a8"`` rounds ``x`` to int8 on both (the native kernel rounds it itself)."""
     x2 = x.reshape(-1, x.shape[-1])
     int8_activations = matmuls.weight_only_activations == "int8"
     if x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only:
