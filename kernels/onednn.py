@@ -216,6 +216,5 @@ def onednn_panel_matmul(x: jax.Array, w: PanelWeight) -> jax.Array:
     library = _library()
     if isinstance(library, str):
         raise native.NativeKernelUnavailable(library)
-    offsets = w.offsets if w.offsets is not None else jnp.zeros((1, 1), w.scales.dtype)
     call = jax.ffi.ffi_call(PANEL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
-    return call(x, w.codes, w.scales, offsets, has_offsets=np.int64(w.offsets is not None), int4=np.int64(w.int4))
+    return call(x, w.codes, w.scales, w.offsets_operand(), has_offsets=np.int64(w.offsets is not None), int4=np.int64(w.int4))

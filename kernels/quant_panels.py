@@ -55,6 +55,10 @@ class PanelWeight:
     def k(self) -> int:
         return self.codes.shape[1] // (256 if self.int4 else 512) * RUN
 
+    def offsets_operand(self) -> jax.Array:
+        """The offsets, or an unread array of the scales' dtype (the kernels take both typed alike)."""
+        return self.offsets if self.offsets is not None else jnp.zeros((1, 1), self.scales.dtype)
+
     def plain_like(self) -> dict:
         """The plain leaf's shapes and dtypes (``jax.ShapeDtypeStruct``), without unpacking."""
         groups = self.scales.shape[1] // PANEL
@@ -143,7 +147,6 @@ def panel_matmul(x, w: PanelWeight, int8_activations: bool = False):
     native._require()  # built and registered with XLA (or why not)
     if x.ndim != 2 or x.shape[1] != w.k or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"panel_matmul: x must be [rows, {w.k}] bf16 or float32, got {x.dtype}{list(x.shape)}")
-    offsets = w.offsets if w.offsets is not None else jnp.zeros((1, 1), w.scales.dtype)
     call = jax.ffi.ffi_call(native.PANEL_MATMUL_TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
-    return call(x, w.codes, w.scales, offsets, has_offsets=np.int64(w.offsets is not None),
+    return call(x, w.codes, w.scales, w.offsets_operand(), has_offsets=np.int64(w.offsets is not None),
                 int4=np.int64(w.int4), x_int8=np.int64(int8_activations))

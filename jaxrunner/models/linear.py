@@ -76,8 +76,7 @@ def weight_only_matmul(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) ->
     rounded values in bf16)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    onednn = (x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only
-              and kernels.quantized_matmul_supported(x2, w))
+    onednn = _onednn_takes(x2, matmuls) and kernels.quantized_matmul_supported(x2, w)
     native_path = None if onednn else _native_quant_path(x2, w, matmuls)
     int8_activations = matmuls.weight_only_activations == "int8"
     if int8_activations and native_path != "matmul":  # the native kernel rounds them itself
@@ -102,12 +101,18 @@ def panel_weight_matmul(x: jax.Array, w: kernels.PanelWeight, matmuls: kernels.M
     ``"w4a8"`` rounds ``x`` to int8 on both (the native kernel rounds it itself)."""
     x2 = x.reshape(-1, x.shape[-1])
     int8_activations = matmuls.weight_only_activations == "int8"
-    if x2.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x2.dtype.name in matmuls.onednn_weight_only:
+    if _onednn_takes(x2, matmuls):
         rounded = quant.round_activations_int8(x2).astype(x2.dtype) if int8_activations else x2
         out = kernels.onednn_panel_matmul(rounded, w)
     else:
         out = kernels.panel_matmul(x2, w, int8_activations)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _onednn_takes(x: jax.Array, matmuls: kernels.MatmulKernels) -> bool:
+    """Whether oneDNN's weight-only product takes the rows ``x`` [rows, K]: ``ONEDNN_QUANT_MIN_ROWS``
+    or more, of a dtype in ``matmuls.onednn_weight_only``."""
+    return x.shape[0] >= ONEDNN_QUANT_MIN_ROWS and x.dtype.name in matmuls.onednn_weight_only
 
 
 def _native_quant_path(x: jax.Array, w: dict, matmuls: kernels.MatmulKernels) -> str | None:
