@@ -5,6 +5,7 @@
     python scripts/benchmark_throughput.py --compare hf          # + transformers at batch sizes 16 and 64
     python scripts/benchmark_throughput.py --compare vllm --vllm-python ~/vllm-cpu/bin/python
     python scripts/benchmark_throughput.py --dataset builtin --output-len 64
+    python scripts/benchmark_throughput.py --dtype bfloat16 --compare-quantization int4 --repetitions 4
 
 Every request is greedy with EOS ignored, so each produces exactly its output length and both
 engines do the same work. jaxrunner's figure excludes start-up (load + compile + warm-up, reported
@@ -13,6 +14,9 @@ slow torch down when they share one). Tokens counted are the requested ones (pro
 + output); transformers' padding is its own cost. vLLM (``--compare vllm``) serves the same token
 ids through its own ``LLM.generate`` in its own Python and process (``vllm_peer.py``), with the same
 ``max_num_seqs``, token budget and ``max_model_len``; its start-up is reported beside jaxrunner's.
+``--compare-quantization`` serves the same requests with quantized weights too, in the same process,
+the two engines taking turns over ``--repetitions`` runs: the ratio of one to the other is then
+measured on the same machine in the same minutes, which on a noisy machine separate runs are not.
 Writes JSON and a PNG bar plot, prints a table last.
 """
 from __future__ import annotations
@@ -40,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", choices=["none", "hf", "vllm", "hf,vllm"], default="none",
                         help="also serve the same requests with transformers' static-batch generate, vLLM, or both")
     parser.add_argument("--hf-batch-sizes", default="16,64", help="transformers batch sizes (default 16,64)")
+    parser.add_argument("--compare-quantization", default=None, choices=["int8", "int4", "w4a8", "w8a8"],
+                        help="also serve the requests with these weights, alternating runs with the float ones "
+                             "(the result is named after the format)")
+    parser.add_argument("--repetitions", type=int, default=None,
+                        help="runs of each jaxrunner engine; each reports its median run (default 1, or 3 "
+                             "with --compare-quantization)")
     common.add_hf_args(parser)
     common.add_vllm_args(parser)
     common.add_engine_args(parser)
@@ -69,6 +79,24 @@ def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True) -> dict:
                        expected_output_tokens=sum(r["output_len"] for r in requests))
     figures["load_average_1m"] = [load_before, common.load_average()]
     return figures
+
+
+def serve_alternating(llms: dict, requests: list[dict], repetitions: int, use_tqdm: bool) -> dict:
+    """Each engine serves ``requests`` ``repetitions`` times, the engines taking turns in an order
+    that alternates, each run after emptying its prefix cache (so every run computes every prompt).
+    An engine's figures are its median run's (the upper one of an even count), with every run's
+    total tok/s beside them in run order."""
+    runs = {name: [] for name in llms}
+    for repetition in range(repetitions):
+        for name in (list(llms) if repetition % 2 == 0 else list(llms)[::-1]):
+            llms[name].reset_prefix_cache()
+            runs[name].append(run_jaxrunner(llms[name], requests, use_tqdm=use_tqdm))
+    out = {}
+    for name, figures in runs.items():
+        rates = [f["total_tokens_per_s"] for f in figures]
+        median = figures[int(np.argsort(rates)[len(rates) // 2])]
+        out[name] = dict(median, repetitions=len(rates), total_tokens_per_s_runs=rates)
+    return out
 
 
 def run_hf(hf_model, pad_id: int, requests: list[dict], batch_size: int, use_tqdm: bool = True) -> dict:
@@ -138,11 +166,16 @@ def ratios(results: dict) -> dict:
     jr = results["jaxrunner"]
     out = {}
     for name, figures in results.items():
-        if name == "jaxrunner":
+        if name.startswith("jaxrunner"):
             continue
         out[f"jaxrunner/{name}"] = {
             "output_tokens_per_s": jr["output_tokens_per_s"] / figures["output_tokens_per_s"],
             "total_tokens_per_s": jr["total_tokens_per_s"] / figures["total_tokens_per_s"]}
+    for name in [k for k in results if k.startswith("jaxrunner+")]:  # quantized weights over the float ones
+        runs = zip(results[name]["total_tokens_per_s_runs"], jr["total_tokens_per_s_runs"])
+        out[f"{name}/jaxrunner"] = {
+            "total_tokens_per_s": results[name]["total_tokens_per_s"] / jr["total_tokens_per_s"],
+            "total_tokens_per_s_by_repetition": [quantized / float_ for quantized, float_ in runs]}
     hf_runs = [k for k in results if k.startswith("hf_")]
     if hf_runs:
         best = max(hf_runs, key=lambda k: results[k]["output_tokens_per_s"])
@@ -175,6 +208,12 @@ def main(argv=None) -> int:
         raise common.BenchError(f"--num-requests: must be at least 1, got {args.num_requests}")
     if args.output_len < 1:
         raise common.BenchError(f"--output-len: must be at least 1, got {args.output_len}")
+    repetitions = args.repetitions if args.repetitions is not None else (3 if args.compare_quantization else 1)
+    if repetitions < 1:
+        raise common.BenchError(f"--repetitions: must be at least 1, got {repetitions}")
+    if args.compare_quantization is not None and args.quantization is not None:
+        raise common.BenchError(f"--compare-quantization {args.compare_quantization} runs beside float weights: "
+                                f"drop --quantization {args.quantization}")
     peers = args.compare.split(",") if args.compare != "none" else []
     hf_batch_sizes = common.parse_int_list(args.hf_batch_sizes, "--hf-batch-sizes") if "hf" in peers else []
     if "hf" in peers:
@@ -186,17 +225,21 @@ def main(argv=None) -> int:
     options = common.engine_options(args, max_total_len=longest, max_concurrency=args.num_requests,
                                     strict=args.dataset == "random")
     llm, startup_s = common.start_llm(args.model, options)
+    llms = {"jaxrunner": llm}
+    if args.compare_quantization is not None:
+        llms[f"jaxrunner+{args.compare_quantization}"] = common.start_llm(
+            args.model, dict(options, quantization=args.compare_quantization))[0]
     requests = make_requests(args, llm.get_tokenizer())
     too_long = [r for r in requests if len(r["prompt_token_ids"]) + r["output_len"] > options["max_model_len"]]
     if too_long:
         raise common.BenchError(f"--max-model-len {options['max_model_len']}: {len(too_long)} requests need more "
                                 f"(longest {max(len(r['prompt_token_ids']) + r['output_len'] for r in too_long)})")
 
-    results = {"jaxrunner": run_jaxrunner(llm, requests, use_tqdm=progress)}
+    results = serve_alternating(llms, requests, repetitions, progress)
     startup = common.startup_summary(llm)
     startup["total_s"] = startup_s
     engine_stats = {k: v for k, v in llm.engine.stats().items() if k != "tokens_per_step"}
-    del llm
+    del llm, llms
 
     hf_info = vllm_info = None
     if "hf" in peers:
@@ -208,15 +251,22 @@ def main(argv=None) -> int:
     config = {"model": args.model, "num_requests": args.num_requests, "dataset": args.dataset,
               "dataset_path": args.dataset_path, "input_len": args.input_len if args.dataset == "random" else None,
               "output_len": args.output_len, "seed": args.seed, "compare": args.compare, "engine": options,
+              "compare_quantization": args.compare_quantization, "repetitions": repetitions,
               "prompt_len_stats": common.percentiles([len(r["prompt_token_ids"]) for r in requests], (0, 50, 100))}
     payload = {"config": config, "startup": startup, "engine_stats": engine_stats, "transformers": hf_info,
                "vllm": vllm_info, "results": results, "ratio": ratios(results)}
     title = f"throughput: {args.num_requests} requests, {args.model}"
-    common.write_results(args, KIND, payload, plot, results, title)
+    # a float/quantized comparison is named after the format, like a quantized run
+    named = args if args.compare_quantization is None else argparse.Namespace(
+        **{**vars(args), "quantization": args.compare_quantization})
+    common.write_results(named, KIND, payload, plot, results, title)
     for name in ("best_hf", "vllm"):
         ratio = payload["ratio"].get(f"jaxrunner/{name}")
         if ratio:
             title += f" — jaxrunner/{ratio.get('best', name)} total tok/s {ratio['total_tokens_per_s']:.2f}×"
+    quantized = payload["ratio"].get(f"jaxrunner+{args.compare_quantization}/jaxrunner")
+    if quantized:
+        title += f" — {args.compare_quantization}/float total tok/s {quantized['total_tokens_per_s']:.2f}×"
     common.print_table(TABLE_HEADERS, table_rows(results), title)
     return 0
 

@@ -124,6 +124,9 @@ def test_info():
     (["bench", "throughput", "--compare", "hf", "--model", "/nonexistent"], "benchmark_throughput: error: model"),
     (["bench", "latency", "--compare", "hf", "--hf-threads", "0"], "benchmark_latency: error: --hf-threads"),
     (["bench", "throughput", "--compare", "vllm"], "benchmark_throughput: error: --compare vllm needs --vllm-python"),
+    (["bench", "throughput", "--compare-quantization", "int4", "--quantization", "int4"],
+     "benchmark_throughput: error: --compare-quantization int4 runs beside float weights"),
+    (["bench", "throughput", "--repetitions", "0"], "benchmark_throughput: error: --repetitions"),
     (["bench", "latency", "--compare", "vllm", "--vllm-python", sys.executable],
      f"benchmark_latency: error: --vllm-python {sys.executable!r}: cannot import vllm"),
     (["bench", "startup", "--compare", "vllm"], "benchmark_startup: error: --compare vllm needs --vllm-python"),
@@ -273,16 +276,28 @@ def _assert_percentiles(block: dict):
 
 
 def test_benchmark_throughput_vs_hf(tiny_checkpoints, tmp_path):
+    """Against transformers, and int8 weights beside the float ones in the same process, taking
+    turns: each engine's figures are its median run's, every run's rate beside them, and no run
+    reads the prompts' pages cached by the run before (prompts of two full pages and more)."""
     out = tmp_path / "tp.json"
-    proc = _ok(script("throughput", "--model", tiny_checkpoints["llama"], *TINY_WORKLOAD, *SMALL_ENGINE,
-                      "--compare", "hf", "--hf-batch-sizes", "2,4", "--hf-threads", "1", "--output-json", str(out)))
+    workload = ["--num-requests", "4", "--input-len", "40..48", "--output-len", "4"]
+    proc = _ok(script("throughput", "--model", tiny_checkpoints["llama"], *workload, *SMALL_ENGINE,
+                      "--compare", "hf", "--hf-batch-sizes", "2,4", "--hf-threads", "1", "--output-json", str(out),
+                      "--compare-quantization", "int8", "--repetitions", "2"))
     data = _read_json(out)
     assert data["benchmark"] == "throughput" and data["config"]["num_requests"] == 4
     results = data["results"]
-    assert set(results) == {"jaxrunner", "hf_bs2", "hf_bs4"}
+    assert set(results) == {"jaxrunner", "jaxrunner+int8", "hf_bs2", "hf_bs4"}
     for figures in results.values():
         assert figures["total_tokens_per_s"] > 0 and figures["output_tokens_per_s"] > 0 and figures["elapsed_s"] > 0
         assert figures["output_tokens"] == 16
+    for name in ("jaxrunner", "jaxrunner+int8"):
+        runs = results[name]["total_tokens_per_s_runs"]
+        assert len(runs) == 2 and results[name]["total_tokens_per_s"] == max(runs)  # the upper median of two
+    assert data["engine_stats"]["prefix_cache_hit_tokens"] == 0
+    quantized = data["ratio"]["jaxrunner+int8/jaxrunner"]
+    assert len(quantized["total_tokens_per_s_by_repetition"]) == 2 and quantized["total_tokens_per_s"] > 0
+    assert "jaxrunner/jaxrunner+int8" not in data["ratio"]
     assert data["ratio"]["jaxrunner/best_hf"]["output_tokens_per_s"] > 0
     assert data["transformers"]["process"].startswith("separate") and data["transformers"]["torch_num_threads"] == 1
     assert out.with_suffix(".png").stat().st_size > 1000
