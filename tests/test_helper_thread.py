@@ -1,7 +1,9 @@
 """The native kernels' helper thread (``kernels/cpu/helper_thread.h``) under back-to-back calls.
 
-A C++ driver (``tests/native/helper_thread_stress.cc``) makes two million calls of two to four
-tiny items each and checks after every call that each item ran exactly once. A helper that
+A C++ driver (``tests/native/helper_thread_stress.cc``) makes twenty million calls of two to nine
+tiny items each and checks after every call that each item ran exactly once, the caller's items
+a run from the front and the helper's a run from the back. The calls outnumber the claim word's
+generations (2^24), so claims after it wraps are checked too. A helper that
 arrived late to one call used to read the next call's item count before the next call's claim
 word, claim an item past the old count, and run it: an item ran twice, and the next caller
 either returned before its own items were done or waited forever (a batch-1 benchmark hung so).
@@ -16,7 +18,7 @@ import pytest
 from jaxrunner.kernels import native
 
 DRIVER = Path(__file__).with_name("native") / "helper_thread_stress.cc"
-CALLS = 2_000_000
+CALLS = 20_000_000
 
 
 def test_every_item_runs_once_across_back_to_back_calls(tmp_path):

@@ -6,8 +6,13 @@
 // each call, so the next call of the same step finds it ready; between steps it sleeps.
 //
 // One call at a time uses the helper; a call that finds it taken runs alone. Items are claimed
-// with a compare-and-swap on (generation, next item), so a helper that arrives late to a call
-// claims nothing of it and never touches its buffers once the caller has returned.
+// with a compare-and-swap on (generation, items taken from the front, items taken from the back),
+// so a helper that arrives late to a call claims nothing of it and never touches its buffers once
+// the caller has returned. The caller takes items from the front and the helper from the back:
+// a kernel's items are consecutive pieces of its weight, so each thread then reads one stream of
+// memory whose next lines its prefetches have already asked for, where items taken in turns made
+// both threads start every item cold (int4 batch-1 TPOT 0.89-0.96x with the two ends, in one
+// process, alternating).
 #pragma once
 
 #include <atomic>
@@ -33,43 +38,55 @@ class HelperThread {
 
  private:
   static constexpr auto kAwake = std::chrono::microseconds(300);  // time awake after a call
-  static constexpr uint64_t kClosed = 0xffffffffu;                 // a claim index past any call's items
+  // The claim word: generation (24 bits), items taken from the front (20), from the back (20).
+  static constexpr int kCountBits = 20;
+  static constexpr int64_t kMaxItems = (int64_t(1) << kCountBits) - 1;  // more run on the caller alone
+  static constexpr uint64_t kGenerations = uint64_t(1) << 24;
+
+  static uint64_t Claim(uint64_t generation, int64_t front, int64_t back) {
+    return ((generation % kGenerations) << (2 * kCountBits)) | (uint64_t(front) << kCountBits) | uint64_t(back);
+  }
+  static bool OfGeneration(uint64_t claim, uint64_t generation) {
+    return (claim >> (2 * kCountBits)) == generation % kGenerations;
+  }
 
   HelperThread() { std::thread([this] { Loop(); }).detach(); }
 
   void Share(Task task, const void* context, int64_t items) {
     std::unique_lock<std::mutex> owner(owner_, std::try_to_lock);
-    if (items <= 1 || !owner.owns_lock()) {
+    if (items <= 1 || items > kMaxItems || !owner.owns_lock()) {
       for (int64_t i = 0; i < items; ++i) task(context, i);
       return;
     }
-    const uint64_t generation = ++generation_;  // wraps at 2^32, as claim_ holds it
+    const uint64_t generation = ++generation_;
     // Close the last call's claims before its items_ changes: a helper still in Drain for it may
     // read the new items_ (then its claim fails) but never claim past the old count.
-    claim_.store((generation << 32) | kClosed);
+    claim_.store(Claim(generation, kMaxItems, 0));
     task_.store(task, std::memory_order_relaxed);
     context_.store(context, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     items_.store(items, std::memory_order_release);
-    claim_.store(generation << 32, std::memory_order_release);
+    claim_.store(Claim(generation, 0, 0), std::memory_order_release);
     posted_.store(generation);
     if (sleeping_.load()) {
       std::lock_guard<std::mutex> lock(mu_);
       wake_.notify_one();
     }
-    Drain(generation);
+    Drain(generation, /*from_back=*/false);
     while (done_.load(std::memory_order_acquire) != items) std::this_thread::yield();
   }
 
-  // Claims and runs the items of `generation` that are left.
-  void Drain(uint64_t generation) {
+  // Claims and runs the items of `generation` that are left, from the front or from the back.
+  void Drain(uint64_t generation, bool from_back) {
+    const uint64_t one = from_back ? 1 : uint64_t(1) << kCountBits;
     uint64_t c = claim_.load(std::memory_order_acquire);
-    while ((c >> 32) == generation) {
-      const int64_t item = int64_t(c & 0xffffffffu);
+    while (OfGeneration(c, generation)) {
+      const int64_t front = int64_t((c >> kCountBits) & kMaxItems), back = int64_t(c & kMaxItems);
       const int64_t items = items_.load(std::memory_order_acquire);
-      if (item >= items) return;
-      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-      task_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), item);
+      if (front + back >= items) return;
+      if (!claim_.compare_exchange_weak(c, c + one, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      task_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed),
+                                             from_back ? items - 1 - back : front);
       done_.fetch_add(1, std::memory_order_release);
       c = claim_.load(std::memory_order_acquire);
     }
@@ -87,7 +104,7 @@ class HelperThread {
         sleeping_.store(false);
       }
       seen = posted_.load();
-      Drain(seen);
+      Drain(seen, /*from_back=*/true);
     }
   }
 
