@@ -11,8 +11,7 @@
 // the caller has returned. The caller takes items from the front and the helper from the back:
 // a kernel's items are consecutive pieces of its weight, so each thread then reads one stream of
 // memory whose next lines its prefetches have already asked for, where items taken in turns made
-// both threads start every item cold (int4 batch-1 TPOT 0.89-0.96x with the two ends, in one
-// process, alternating).
+// both threads start every item cold (docs/performance.md has the measurements).
 #pragma once
 
 #include <atomic>
