@@ -220,7 +220,8 @@ def test_few_rows_go_to_the_kernel_and_more_to_xla():
         unpacked = jax.jit(gemm).lower(chunk, w).as_text().count(native.DEQUANTIZE_TARGET_NAME)
         assert (unpacked, _native_calls(gemm, chunk, w)) == ((0, 1) if activations == "int8" else (1, 0))
         assert _native_calls(gemm, chunk[:-4], w) == 1
-        every = dataclasses.replace(few, weight_only_gemm=True, weight_only_activations=activations)
+        every = dataclasses.replace(few, weight_only_gemm=True, dequantize_min_rows=0,
+                                    weight_only_activations=activations)
         assert _native_calls(functools.partial(linear.linear_f32, matmuls=every), chunk, w) == 1  # no limit
     xla = kernels.choose_matmuls("xla")[0]
     assert xla.weight_only_gemm is False and xla.weight_only_panels == ()  # the plain baseline keeps XLA's dot
