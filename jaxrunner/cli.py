@@ -267,6 +267,13 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _cpu_features() -> str:
+    """The CPU extensions the kernels are built and chosen for, and the cap when one is set."""
+    features = ", ".join(kernels.cpu_features()) or "none of those the kernels use"
+    cap = kernels.max_isa()
+    return features if cap is None else f"{features} (capped: JAXRUNNER_CPU_MAX_ISA={cap})"
+
+
 def cmd_info(args) -> int:
     import jax  # lazy: the CLI loads JAX only for commands that ask it about devices or run a model
 
@@ -277,7 +284,7 @@ def cmd_info(args) -> int:
         default_model = f"not available ({err})"
     info = {"jaxrunner": __version__, "jax": jax.__version__, "python": platform.python_version(),
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-            "cpu_count": os.cpu_count(), "attention_impl": kernels.resolve_impl("auto", device.platform),
+            "cpu_count": os.cpu_count(), "cpu_features": _cpu_features(), "attention_impl": kernels.resolve_impl("auto", device.platform),
             "native_cpu_kernel": kernels.capabilities(device.platform).native_cpu_status,
             "cpu_matmul": kernels.choose_matmuls("auto", device.platform)[1],
             "default_model": f"{DEFAULT_MODEL}: {default_model}",

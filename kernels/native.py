@@ -2,10 +2,11 @@
 matmuls, the gated MLP's SiLU product, RoPE): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
-``-march=native`` for the machine it runs on (AVX-512 where there is one), against the FFI
-headers of the jaxlib that is installed; neither is known when the package is built. The shared
-library is cached under ``$JAXRUNNER_CACHE_DIR/kernels`` (default ``~/.cache/jaxrunner``), keyed
-by the source, the jaxlib version, the compiler and the CPU's feature flags, so a start-up after
+``-march=native`` for the machine it runs on (AVX-512 where there is one; ``cpu_isa.py`` says how
+``JAXRUNNER_CPU_MAX_ISA`` lowers that), against the FFI headers of the jaxlib that is installed;
+neither is known when the package is built. The shared library is cached under
+``$JAXRUNNER_CACHE_DIR/kernels`` (default ``~/.cache/jaxrunner``), keyed by the source, the
+jaxlib version, the compiler, its flags and the CPU's feature flags, so a start-up after
 the first costs one ``dlopen``. Without a C++ compiler (or if the build fails) :func:`available`
 says why, and ``impl="auto"`` stays on the XLA path.
 """
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from jaxrunner.kernels import cpu_isa
 from jaxrunner.kernels.kv_write import check_write_shapes
 
 logger = logging.getLogger("jaxrunner")
@@ -59,19 +61,16 @@ ROTARY_SYMBOL = "JaxrunnerCpuRotary"
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
 # of one layer are small (0.7-3.5 MB).
 MATMUL_K_SPLITS = 2
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")  # with the -march of cpu_isa.march()
 
 
 class NativeKernelUnavailable(RuntimeError):
     """The native CPU kernel cannot be built or loaded here (the message says why)."""
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+def compile_flags() -> tuple[str, ...]:
+    """The flags the kernels are built with: :data:`FLAGS` and the ``-march`` for this CPU."""
+    return (*FLAGS, cpu_isa.march())
 
 
 def _cache_dir() -> Path:
@@ -88,20 +87,23 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / "jaxrunner-kernels"
 
 
-def library_path(name: str, compiler: str, files, flags=FLAGS) -> Path:
+def library_path(name: str, compiler: str, files, flags=None) -> Path:
     """Where the library ``name`` built from ``files`` lives in the cache: keyed by their bytes, the
     jaxlib version, the compiler, the flags and the CPU's feature flags."""
     key = hashlib.sha256()
     sources = [Path(path).read_bytes() for path in files]
+    flags = compile_flags() if flags is None else flags
     for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+                 platform.machine().encode(), " ".join(sorted(cpu_isa.cpu_flags())).encode()):
         key.update(part)
         key.update(b"\0")
     return _cache_dir() / f"lib{name}-{key.hexdigest()[:16]}.so"
 
 
-def build_library(compiler: str, target: Path, sources=SOURCES, flags=FLAGS, link=()) -> None:
-    """Compile ``sources`` into a temporary file beside ``target`` and rename it into place (atomic)."""
+def build_library(compiler: str, target: Path, sources=SOURCES, flags=None, link=()) -> None:
+    """Compile ``sources`` (with :func:`compile_flags` unless ``flags`` are given) into a temporary
+    file beside ``target`` and rename it into place (atomic)."""
+    flags = compile_flags() if flags is None else flags
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -302,9 +304,9 @@ def rotary_native(qkv, cos, sin):
 
 
 def cpu_features() -> list[str]:
-    """The vector and matrix extensions this CPU reports: what ``-march=native`` builds the kernels
-    for, and the flags ``platform_support.ONEDNN_FASTER`` is keyed by (AMX)."""
-    flags = set(_cpu_flags().split())
+    """The vector and matrix extensions this CPU reports (less those ``JAXRUNNER_CPU_MAX_ISA``
+    hides): what the kernels are built for, and the flags ``platform_support`` chooses by."""
+    flags = cpu_isa.cpu_flags()
     names = ("amx_bf16", "amx_int8", "avx512f", "avx512_vnni", "avx512_bf16", "avx2", "avx_vnni", "fma")
     return [name for name in names if name in flags]
 

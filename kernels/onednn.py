@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.kernels import native
+from jaxrunner.kernels import cpu_isa, native
 from jaxrunner.kernels.quant_panels import PanelWeight
 
 logger = logging.getLogger("jaxrunner")
@@ -76,6 +76,9 @@ def _installed_dir(distribution: str, suffix: str) -> Path:
 
 def _load() -> ctypes.CDLL:
     include, lib = find_onednn()
+    capped = cpu_isa.onednn_max_isa()
+    if capped is not None:  # read by oneDNN when it first dispatches; a value already set is kept
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", capped)
     cxx = native.compiler()
     flags = (*FLAGS, f"-I{include}")
     headers = (native.CPU_DIR / name for name in ("helper_thread.h", "dequantize_tile.h", "transpose.h", "work_queue.h"))

@@ -9,22 +9,15 @@ both get bfloat16 (CPU: float32 without native bf16).
 """
 from __future__ import annotations
 
-import functools
+from jaxrunner import kernels
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of this machine (empty where /proc/cpuinfo is not readable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The CPU feature flags of this machine, less those ``JAXRUNNER_CPU_MAX_ISA`` hides
+    (``kernels/cpu_isa.py``; empty where /proc/cpuinfo is not readable)."""
+    return kernels.cpu_flags()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -1,0 +1,72 @@
+"""``JAXRUNNER_CPU_MAX_ISA`` (``kernels/cpu_isa.py``): the native kernels built and chosen as for an
+older CPU, so that the branches an AVX2-only CPU or the portable vector code (ARM's) take are
+tested on whatever machine runs the suite, not only on a machine of that kind."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrunner.kernels import cpu_isa, native
+from jaxrunner.models.loading import precision
+
+TESTS = Path(__file__).parent
+# The kernels' own tests against their oracles; oneDNN's products are not the native kernels'.
+KERNEL_TESTS = ("test_quant_matmul.py", "test_quant_panels.py", "test_small_matmul.py",
+                "test_elementwise_kernels.py", "test_kernels.py")
+SELECTION = "not onednn and (native or not test_kernels)"
+# cap -> (XLA's name for it, a flag the machine must have to run the capped build, one it must have
+# for the cap to lower anything: without it the uncapped run already takes that build's branches)
+CAPS = {"avx2": ("AVX2", "avx2", "avx512f"), "sse4_2": ("SSE4_2", "sse4_2", "avx2")}
+
+
+def test_the_cap_hides_the_newer_flags_and_lowers_the_build(monkeypatch):
+    uncapped_path = native.library_path("probe", "c++", ())
+    monkeypatch.setenv(cpu_isa.MAX_ISA_ENV, "avx2")
+    flags = cpu_isa.cpu_flags()
+    assert not any(flag.startswith(("avx512", "amx")) for flag in flags)
+    assert flags <= cpu_isa.machine_flags() and ("avx2" in flags) == ("avx2" in cpu_isa.machine_flags())
+    assert native.compile_flags()[-1] == "-march=x86-64-v3" and cpu_isa.onednn_max_isa() == "AVX2"
+    assert not precision.cpu_has_native_bf16()  # dtype="auto" resolves as on an AVX2 CPU: float32
+    assert native.library_path("probe", "c++", ()) != uncapped_path  # a build of its own in the cache
+    monkeypatch.setenv(cpu_isa.MAX_ISA_ENV, "SSE4_2")
+    assert not any(flag.startswith(("avx", "fma", "f16c")) for flag in cpu_isa.cpu_flags())
+    assert native.cpu_features() == [] and native.compile_flags()[-1] == "-march=x86-64-v2"
+    monkeypatch.setenv(cpu_isa.MAX_ISA_ENV, "")
+    assert cpu_isa.max_isa() is None and native.compile_flags()[-1] == "-march=native"
+
+
+def test_an_unknown_cap_is_refused_naming_the_variable_and_the_values(monkeypatch):
+    monkeypatch.setenv(cpu_isa.MAX_ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match=r"JAXRUNNER_CPU_MAX_ISA: invalid value 'avx512'; valid: avx2, sse4_2"):
+        native.cpu_features()
+    with pytest.raises(ValueError, match="JAXRUNNER_CPU_MAX_ISA"):
+        precision.cpu_has_native_bf16()
+
+
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_the_kernels_pass_their_tests_built_for_an_older_cpu(cap):
+    xla_name, needs, lowers = CAPS[cap]
+    machine = cpu_isa.machine_flags()
+    if needs not in machine:
+        pytest.skip(f"this CPU lacks {needs}: it cannot run a build capped at {cap}")
+    if lowers not in machine:
+        pytest.skip(f"this CPU lacks {lowers}: the suite's own run already takes the {cap} build's branches")
+    env = {**os.environ, cpu_isa.MAX_ISA_ENV: cap,
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_max_isa={xla_name}".strip()}
+    runner = ("import sys, pytest\n"
+              "from jaxrunner.kernels import native\n"
+              "print('cpu_features', native.cpu_features(), native.compile_flags()[-1], flush=True)\n"
+              "sys.exit(pytest.main(sys.argv[1:]))\n")
+    files = [str(TESTS / name) for name in KERNEL_TESTS]
+    proc = subprocess.run([sys.executable, "-c", runner, "-q", "-p", "no:cacheprovider",
+                           "-k", SELECTION, *files], env=env, cwd=TESTS, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("cpu_features") and "avx512f" not in first
+    assert first.endswith(f"-march={cpu_isa.MAX_ISAS[cap][0]}"), first
+    assert " passed" in proc.stdout.splitlines()[-1]
