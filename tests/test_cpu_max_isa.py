@@ -59,6 +59,7 @@ def test_the_kernels_pass_their_tests_built_for_an_older_cpu(cap):
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_max_isa={xla_name}".strip()}
     runner = ("import sys, pytest\n"
               "from jaxrunner.kernels import native\n"
+              "assert native.available(), native.unavailable_reason()  # built under the cap, or why not\n"
               "print('cpu_features', native.cpu_features(), native.compile_flags()[-1], flush=True)\n"
               "sys.exit(pytest.main(sys.argv[1:]))\n")
     files = [str(TESTS / name) for name in KERNEL_TESTS]
