@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
     conv.set_defaults(func=cmd_convert)
 
-    info = sub.add_parser("info", help="devices, backend, attention impl, versions, default model, cache dir")
+    info = sub.add_parser("info", help="devices, backend, CPU features, attention impl, versions, default model, cache dir")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
 
