@@ -284,7 +284,8 @@ def cmd_info(args) -> int:
         default_model = f"not available ({err})"
     info = {"jaxrunner": __version__, "jax": jax.__version__, "python": platform.python_version(),
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-            "cpu_count": os.cpu_count(), "cpu_features": _cpu_features(), "attention_impl": kernels.resolve_impl("auto", device.platform),
+            "cpu_count": os.cpu_count(), "cpu_features": _cpu_features(),
+            "attention_impl": kernels.resolve_impl("auto", device.platform),
             "native_cpu_kernel": kernels.capabilities(device.platform).native_cpu_status,
             "cpu_matmul": kernels.choose_matmuls("auto", device.platform)[1],
             "default_model": f"{DEFAULT_MODEL}: {default_model}",
@@ -379,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
     conv.set_defaults(func=cmd_convert)
 
-    info = sub.add_parser("info", help="devices, backend, CPU features, attention impl, versions, default model, cache dir")
+    info = sub.add_parser("info", help="devices, backend, CPU features, attention impl, versions, default model, "
+                                       "cache dir")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
 
