@@ -54,27 +54,51 @@ def test_an_unknown_cap_is_refused_naming_the_variable_and_the_values(monkeypatc
         precision.cpu_has_native_bf16()
 
 
-@pytest.mark.parametrize("cap", list(CAPS))
-def test_the_kernels_pass_their_tests_built_for_an_older_cpu(cap):
-    xla_name, needs, lowers = CAPS[cap]
+def _why_not(cap: str) -> str | None:
+    """Why this machine does not run the kernels capped at ``cap``; None when it does."""
+    _, needs, lowers = CAPS[cap]
     machine = cpu_isa.machine_flags()
     if needs not in machine:
-        pytest.skip(f"this CPU lacks {needs}: it cannot run a build capped at {cap}")
+        return f"this CPU lacks {needs}: it cannot run a build capped at {cap}"
     if lowers not in machine:
-        pytest.skip(f"this CPU lacks {lowers}: the suite's own run already takes the {cap} build's branches")
+        return f"this CPU lacks {lowers}: the suite's own run already takes the {cap} build's branches"
+    return None
+
+
+def _start(cap: str) -> subprocess.Popen:
+    """The kernels' tests under ``cap`` in a process of their own (the cap must be set before
+    anything reads the CPU's flags or builds the kernels)."""
     env = {**os.environ, cpu_isa.MAX_ISA_ENV: cap,
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_max_isa={xla_name}".strip()}
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_max_isa={CAPS[cap][0]}".strip()}
     runner = ("import sys, pytest\n"
               "from jaxrunner.kernels import native\n"
               "assert native.available(), native.unavailable_reason()  # built under the cap, or why not\n"
               "print('cpu_features', native.cpu_features(), native.compile_flags()[-1], flush=True)\n"
               "sys.exit(pytest.main(sys.argv[1:]))\n")
     files = [str(TESTS / name) for name in KERNEL_TESTS] + [str(TESTS / node) for node in ENGINE_TESTS[cap]]
-    proc = subprocess.run([sys.executable, "-c", runner, "-q", "-p", "no:cacheprovider",
-                           "-k", SELECTION, *files], env=env, cwd=TESTS, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    first = proc.stdout.splitlines()[0]
+    return subprocess.Popen([sys.executable, "-c", runner, "-q", "-p", "no:cacheprovider", "-k", SELECTION, *files],
+                            env=env, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def capped_runs():
+    """Every cap this machine runs, started together: each spends much of its time compiling the
+    kernels on one core, so two take little longer than one."""
+    runs = {cap: _start(cap) for cap in CAPS if _why_not(cap) is None}
+    yield runs
+    for proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_the_kernels_pass_their_tests_built_for_an_older_cpu(cap, capped_runs):
+    if _why_not(cap) is not None:
+        pytest.skip(_why_not(cap))
+    stdout, stderr = capped_runs[cap].communicate(timeout=900)
+    assert capped_runs[cap].returncode == 0, stdout[-6000:] + stderr[-3000:]
+    first = stdout.splitlines()[0]
     assert first.startswith("cpu_features") and "avx512f" not in first
     assert first.endswith(f"-march={cpu_isa.MAX_ISAS[cap][0]}"), first
-    assert " passed" in proc.stdout.splitlines()[-1]
+    assert " passed" in stdout.splitlines()[-1]
