@@ -326,11 +326,11 @@ def device_info() -> dict:
         info["cpu_affinity"] = len(os.sched_getaffinity(0))
     except AttributeError:
         pass
-    from jaxrunner.kernels import max_isa
-    from jaxrunner.models.loading.precision import cpu_flags
+    from jaxrunner.kernels import cpu_flags, max_isa
 
-    if max_isa() is not None:  # the kernels were built and chosen as for an older CPU
-        info["cpu_max_isa"] = max_isa()
+    cap = max_isa()
+    if cap is not None:  # the kernels were built and chosen as for an older CPU
+        info["cpu_max_isa"] = cap
 
     # speeds differ most by these (bf16 dots, AMX tiles): results of two machines compare only with them
     info["cpu_features"] = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",

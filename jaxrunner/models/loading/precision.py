@@ -14,14 +14,10 @@ from jaxrunner import kernels
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of this machine, less those ``JAXRUNNER_CPU_MAX_ISA`` hides
-    (``kernels/cpu_isa.py``; empty where /proc/cpuinfo is not readable)."""
-    return kernels.cpu_flags()
-
-
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
-    flags = cpu_flags() if flags is None else flags
+    """Whether ``flags`` (default: the CPU's as the kernels see them, ``kernels.cpu_flags``, which
+    ``JAXRUNNER_CPU_MAX_ISA`` caps) name bf16 dot products."""
+    flags = kernels.cpu_flags() if flags is None else flags
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
