@@ -310,6 +310,27 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_model_id(cpuinfo: str | None = None) -> str | None:
+    """``family F model M`` from ``/proc/cpuinfo`` (x86), or None. Virtual machines often name every
+    CPU "Intel(R) Xeon(R) Processor" with the same vector features; on two such Xeons here vLLM's
+    same build served SmolLM2 1.6x apart, and only the model number told them apart."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read(8192)
+        except OSError:
+            return None
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    if "cpu family" not in fields or "model" not in fields:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
 def load_average() -> float | None:
     """The 1-minute load average: above the core count, other processes compete for the CPUs and
     timings (torch's OpenMP threads especially) get noisy."""
@@ -322,6 +343,9 @@ def load_average() -> float | None:
 def device_info() -> dict:
     info = {"platform": platform.platform(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
             "load_average_1m": load_average()}
+    model_id = cpu_model_id()
+    if model_id is not None:
+        info["cpu_model_id"] = model_id
     try:
         info["cpu_affinity"] = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -28,14 +28,15 @@ WORKLOAD_KEYS = ("batch_size", "input_len", "output_len", "request_rate")
 
 
 def machine(doc: dict) -> str:
-    """A short description of where a result was measured, e.g. ``cpu: AMD EPYC (avx2 fma), 2 cores``:
-    the CPU's vector features tell apart machines that share a name (an AMD EPYC with AVX-512 or
-    AVX2 alone)."""
+    """A short description of where a result was measured, e.g. ``cpu: AMD EPYC (family 23 model 49;
+    avx2 fma), 2 cores``: the CPU's model number and vector features tell apart machines that share
+    a name (an AMD EPYC with AVX-512 or AVX2 alone, two Xeons with AMX of different speeds)."""
     device = doc.get("device") or {}
     backend = device.get("jax_backend", "?")
     if backend == "cpu":
-        features = " ".join(device.get("cpu_features") or [])
-        name = device.get("cpu", "?") + (f" ({features})" if features else "")
+        detail = "; ".join(part for part in (device.get("cpu_model_id"), " ".join(device.get("cpu_features") or []))
+                           if part)
+        name = device.get("cpu", "?") + (f" ({detail})" if detail else "")
         text = f"cpu: {name}, {device.get('cpu_affinity') or device.get('cpu_count')} cores"
         devices = len(device.get("jax_devices") or [])
         return text + (f", {devices} devices" if devices > 1 else "")

@@ -113,6 +113,22 @@ def test_history_tells_cpus_of_one_name_apart_by_their_vector_features():
     assert machine([]) == "cpu: AMD EPYC, 2 cores"
 
 
+def test_history_tells_cpus_of_one_name_and_features_apart_by_their_model():
+    cpuinfo = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n"
+               "model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 2\n\nprocessor\t: 1\nmodel\t\t: 1\n")
+    assert common.cpu_model_id(cpuinfo) == "family 6 model 207"
+    assert common.cpu_model_id("processor\t: 0\nBogoMIPS\t: 50.00\n") is None  # no model number (Arm)
+
+    def machine(model_id):
+        device = {"jax_backend": "cpu", "cpu": "Intel(R) Xeon(R) Processor", "cpu_affinity": 2,
+                  "cpu_features": ["amx_bf16", "avx512f"], "cpu_model_id": model_id}
+        return bench_history.machine({"device": device})
+
+    assert machine("family 6 model 207") == "cpu: Intel(R) Xeon(R) Processor (family 6 model 207; amx_bf16 avx512f), 2 cores"
+    assert machine("family 6 model 143") != machine("family 6 model 207")
+    assert machine(None) == "cpu: Intel(R) Xeon(R) Processor (amx_bf16 avx512f), 2 cores"
+
+
 def test_history_labels_per_row_workloads_too():
     doc = {"benchmark": "latency", "config": {"model": "/models/random-llama-1b", "engine": {"dtype": "bfloat16"}},
            "results": [{"engine": "jaxrunner", "batch_size": 1, "input_len": 8, "output_len": 8,
