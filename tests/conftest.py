@@ -29,6 +29,30 @@ if os.environ.get("JAXRUNNER_TEST_XLA_OPTIMIZED") != "1":
 
 import pytest
 
+
+def pytest_sessionfinish(session, exitstatus):
+    """Close the engine loops the tests left running while the interpreter is whole, and name every
+    other thread still alive, with where it is. At exit Python 3.11 unwinds a daemon thread by force
+    when it next takes the GIL; one inside C++ then aborts the process after every test has passed
+    ("terminate called ... FATAL: exception not rethrown", seen once on a fresh clone). The list
+    says which thread it was if it happens again."""
+    import sys
+    import threading
+    import traceback
+
+    loop = sys.modules.get("jaxrunner.engine.loop")
+    if loop is not None:
+        loop.close_live_loops()
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.name == "tqdm_monitor":  # tqdm's: sleeps in Python
+            continue
+        where = traceback.extract_stack(frames[thread.ident])[-1] if thread.ident in frames else None
+        at = f"{os.path.basename(where.filename)}:{where.lineno} in {where.name}" if where else "?"
+        print(f"\nthread alive at the end of the session: {thread.name} (daemon={thread.daemon}), at {at}",
+              file=sys.stderr)
+
+
 TINY_FAMILIES = ("llama", "qwen2", "mistral", "llama3")
 
 CHAT_TEMPLATE = (

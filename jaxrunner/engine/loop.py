@@ -346,12 +346,13 @@ def _close_at_exit(loop: EngineLoop) -> None:
     Registered on first use, after JAX's own exit handlers, so it runs before them."""
     global _exit_handler_registered
     if not _exit_handler_registered:
-        atexit.register(_close_live_loops)
+        atexit.register(close_live_loops)
         _exit_handler_registered = True
     _LIVE_LOOPS.add(loop)
 
 
-def _close_live_loops() -> None:
+def close_live_loops() -> None:
+    """Close every engine loop that started a thread and is still alive (at exit, and by test runners)."""
     for loop in list(_LIVE_LOOPS):
         try:
             loop.close(timeout_s=10.0)
