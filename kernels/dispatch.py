@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import importlib
 
+import jax.numpy as jnp
+
 from jaxrunner.kernels import jax_tpu
 from jaxrunner.kernels.kv_write import write_kv_pages, write_kv_pages_combined
-from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO
+from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO, FP8_POOL_IMPLS
 from jaxrunner.kernels.platform_support import capabilities
 from jaxrunner.kernels.native import supports as supports_head_dim, write_kv_pages_native
 from jaxrunner.kernels.xla import ragged_paged_attention_xla
@@ -31,6 +33,11 @@ def triton_supports(head_dim: int | None) -> bool:
     return head_dim is None or (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
 
 
+def is_fp8(dtype) -> bool:
+    """Whether ``dtype`` (a name or dtype; None: unknown) is one of the 8-bit float pool dtypes."""
+    return dtype is not None and jnp.dtype(dtype) in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
 def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,
                 page_size: int | None = None, num_kv_heads: int | None = None, num_q_heads: int | None = None,
                 kv_dtype=None) -> tuple[str, str]:
@@ -38,6 +45,9 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
     ``head_dim``, pages of ``page_size`` rows, ``num_kv_heads``/``num_q_heads`` heads as the kernel
     sees them (per shard) and a ``kv_dtype`` pool (None: unknown; the TPU choice then assumes
     the strictest case). What runs on the platform at all is :func:`capabilities`' answer."""
+    if is_fp8(kv_dtype) and impl not in (AUTO, *FP8_POOL_IMPLS):
+        raise ValueError(f"attention_impl={impl!r} does not read {jnp.dtype(kv_dtype).name} KV pages "
+                         f"(kv_cache_dtype fp8*); valid with them: 'auto' or one of {FP8_POOL_IMPLS}")
     if impl == "jax_tpu" and num_kv_heads is not None and kv_dtype is not None:
         refused = jax_tpu.heads_refused(num_kv_heads, num_q_heads, kv_dtype)
         if refused:  # jax's own error would come from deep in its kernel, after the weights loaded
@@ -47,6 +57,8 @@ def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int |
     if impl != AUTO:
         raise ValueError(f"impl must be {AUTO!r} or one of {ATTENTION_IMPLS}, got {impl!r}")
     caps = capabilities(platform)
+    if is_fp8(kv_dtype) and caps.platform != "cpu":
+        return "xla", f"{caps.platform.upper()}: plain XLA, the one kernel here that reads 8-bit float KV pages"
     if caps.platform == "gpu":
         if triton_supports(head_dim):
             return "pallas", "GPU: the Pallas Triton kernel"

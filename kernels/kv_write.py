@@ -52,8 +52,19 @@ def write_kv_pages_combined(kv_pages, k_new, v_new, slot_mapping):
                          f"{kv_pages.shape}: expected [P, page_size, {2 * num_kv_heads}, {head_dim}]")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {num_tokens}")
-    rows = jnp.stack([k_new.astype(kv_pages.dtype), v_new.astype(kv_pages.dtype)], axis=2)  # [T, Hkv, 2, D]
+    rows = jnp.stack([to_pool_dtype(k_new, kv_pages.dtype), to_pool_dtype(v_new, kv_pages.dtype)], axis=2)  # [T, Hkv, 2, D]
     return _scatter_rows(kv_pages, rows.reshape(num_tokens, 2 * num_kv_heads, head_dim), slot_mapping)
+
+
+def to_pool_dtype(rows, dtype):
+    """``rows`` in a pool's ``dtype``. An 8-bit float pool saturates at its largest finite value
+    first (e4m3fn has no infinity: a plain cast turns anything past 448 into NaN, and one NaN in a
+    page poisons every later score of its sequence); the native write rounds the same way."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        largest = float(jnp.finfo(dtype).max)
+        rows = jnp.clip(rows.astype(jnp.float32), -largest, largest)
+    return rows.astype(dtype)
 
 
 def _scatter_rows(pool, new, slot_mapping):
@@ -74,5 +85,5 @@ def _scatter_rows(pool, new, slot_mapping):
         # scratch page keeps it a real scatter, which is in place.
         slots = jnp.concatenate([slots, jnp.full((1,), SCRATCH_PAGE * page_size, jnp.int32)])
         new = jnp.concatenate([new, jnp.zeros_like(new)])
-    written = pool.reshape(flat).at[slots].set(new.astype(pool.dtype), mode="promise_in_bounds")
+    written = pool.reshape(flat).at[slots].set(to_pool_dtype(new, pool.dtype), mode="promise_in_bounds")
     return written.reshape(pool.shape)

@@ -22,6 +22,10 @@ ATTENTION_KERNELS = {
 ATTENTION_IMPLS = tuple(ATTENTION_KERNELS)
 """Every ragged paged attention implementation, by name."""
 
+FP8_POOL_IMPLS = tuple(name for name in ATTENTION_IMPLS if name not in ("pallas", "jax_tpu"))
+"""The implementations that read 8-bit float pages (``kv_cache_dtype`` "fp8*"): the Pallas
+kernels and jax's TPU kernel multiply in the pages' dtype, their tiles laid out for 16 and 32 bits."""
+
 AUTO = "auto"
 ATTENTION_IMPL_CHOICES = (AUTO, *ATTENTION_IMPLS)
 """What a user may ask for: ``auto`` (the best that runs for the model's shapes) or one implementation."""

@@ -36,7 +36,7 @@ logger = logging.getLogger("jaxrunner")
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
            CPU_DIR / "quant_panels.cc", CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
-HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
+HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "fp8.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
            CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"

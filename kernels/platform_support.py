@@ -237,11 +237,11 @@ def _attention(platform: str, native_cpu: str | None) -> dict[str, str | None]:
 
 def _kv_in_place(platform: str, impl: str) -> tuple[str, ...]:
     """KV dtypes ``impl``'s page write updates in place on ``platform``. The native write aliases
-    float32 and bf16 pools; every other implementation writes through XLA's scatter
+    float32, bf16 and 8-bit float pools; every other implementation writes through XLA's scatter
     (``kv_write.py``), which XLA:CPU does in place for float32 only (16-bit pools are converted
     whole, at every layer)."""
     if impl == "native":
-        return ("float32", "bfloat16")
+        return ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
     return ("float32",) if platform == "cpu" else FLOAT_DTYPES
 
 

@@ -40,11 +40,14 @@ ASSUMED_MAX_ABS_SCORE = 6.0
 def dot_format(impl: str, dtype, platform: str | None = None) -> str:
     """The narrowest operand format the dots of ``impl`` use for a cache of ``dtype``.
 
-    16-bit caches: their own format (``p`` is cast to it). float32 caches: full float32 for our
+    16-bit caches: their own format (``p`` is cast to it). 8-bit float caches (read only by the
+    native kernel and the XLA paths, which widen them to float32): float32. float32 caches: full float32 for our
     kernels and the XLA paths, which ask for ``Precision.HIGHEST``; jax's TPU kernel runs its
     float32 dots at the TPU default, one bfloat16 pass.
     """
     name = jnp.dtype(dtype).name
+    if jnp.dtype(dtype).itemsize == 1:  # 8-bit float pages: widened exactly; queries and outputs bf16 or wider
+        return "bfloat16"
     if name != "float32":
         return name
     platform = (platform or jax.default_backend()).lower()

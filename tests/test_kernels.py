@@ -9,6 +9,7 @@ on small pools because interpretation is slow.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -22,6 +23,7 @@ from hypothesis import given, settings, strategies as st
 
 from jaxrunner import kernels
 from jaxrunner.kernels import blocks, native
+from jaxrunner.kernels.kv_write import to_pool_dtype
 from jaxrunner.kernels.pallas_kernel import ragged_paged_attention_pallas
 from jaxrunner.kernels.reference import ragged_paged_attention_reference
 from jaxrunner.kernels.testing import make_case
@@ -719,7 +721,7 @@ def test_write_kv_pages_in_place_under_donation():
     assert kp_d.is_deleted()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_native_write_kv_pages_in_place_any_dtype(dtype):
     """The native write equals the XLA scatter on every live slot, and under donation it returns
     the same buffers with no pool-sized copy or convert -- bf16 pools included (XLA:CPU's own bf16
@@ -729,12 +731,15 @@ def test_native_write_kv_pages_in_place_any_dtype(dtype):
     rng = np.random.default_rng(3)
     kp, vp, kn, vn, slots, n_live = _write_case(rng, num_pages=64)
     kp, vp = jnp.asarray(kp, dtype).copy(), jnp.asarray(vp, dtype).copy()  # XLA-owned: donatable
-    want = jax.jit(kernels.write_kv_pages)(kp, vp, kn, vn, slots)
+    if jnp.dtype(dtype).itemsize > 1:
+        want = jax.jit(kernels.write_kv_pages)(kp, vp, kn, vn, slots)
+    else:  # ml_dtypes' rounding (the XLA write's, test_fp8_xla_write_rounds_like_ml_dtypes)
+        want = [numpy_write(pool, new, slots) for pool, new in ((kp, kn), (vp, vn))]
     got = jax.jit(native.write_kv_pages_native)(kp, vp, kn, vn, slots)
     page_size = kp.shape[1]
     for w, g in zip(want, got):
-        w = np.asarray(w.astype(jnp.float32)).reshape(-1, *kn.shape[1:])
-        g = np.asarray(g.astype(jnp.float32)).reshape(-1, *kn.shape[1:])
+        w = np.asarray(w).astype(np.float32).reshape(-1, *kn.shape[1:])
+        g = np.asarray(g).astype(np.float32).reshape(-1, *kn.shape[1:])
         np.testing.assert_array_equal(g[page_size:], w[page_size:])  # all but the scratch page
     fn = jax.jit(native.write_kv_pages_native, donate_argnums=(0, 1))
     hlo = fn.lower(kp, vp, kn, vn, slots).compile().as_text()
@@ -746,7 +751,8 @@ def test_native_write_kv_pages_in_place_any_dtype(dtype):
         native.write_kv_pages_native(kp, vp, kn[:, :1], vn[:, :1], slots)
 
 
-@pytest.mark.parametrize("impl,dtype", [("xla", "float32"), ("native", "float32"), ("native", "bfloat16")])
+@pytest.mark.parametrize("impl,dtype", [("xla", "float32"), ("native", "float32"), ("native", "bfloat16"),
+                                        ("native", "float8_e4m3fn")])
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_model_step_shape_keeps_pools_in_place(num_tokens, impl, dtype):
     """Two layers of write + attend in one donated jit, as in a model step: no pool-sized copy.
@@ -774,9 +780,93 @@ def test_model_step_shape_keeps_pools_in_place(num_tokens, impl, dtype):
     slots = np.arange(40, 40 + num_tokens, dtype=np.int32)
     args = (case.q, k_new, k_new, slots, case.kv_lens, case.page_indices, case.cu_q_lens, case.num_seqs)
     hlo = jax.jit(step, donate_argnums=0).lower(cache, *args).compile().as_text()
-    copies = [m for m in re.finditer(r"= (?:f32|bf16)\[([\d,]+)\]\S* (?:copy|convert)\(", hlo)
+    copies = [m for m in re.finditer(r"= (?:f32|bf16|f8e4m3fn)\[([\d,]+)\]\S* (?:copy|convert)\(", hlo)
               if math.prod(int(x) for x in m.group(1).split(",")) == math.prod(pool_shape)]
     assert not copies, [m.group(0) for m in copies]
+
+
+FP8 = ["float8_e4m3fn", "float8_e5m2"]
+
+
+def fp8_case(case, dtype):
+    """``case`` with its pools rounded to the 8-bit float ``dtype`` as the page write rounds them
+    (saturating): the oracle then reads the same values the kernels do."""
+    to_pool = jax.jit(functools.partial(to_pool_dtype, dtype=dtype))
+    return dataclasses.replace(case, k_pages=np.asarray(to_pool(case.k_pages)), v_pages=np.asarray(to_pool(case.v_pages)))
+
+
+@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("shape", ["decode", "chunked", "mixed_padded"])
+def test_fp8_pools_read_exactly(impl, dtype, shape):
+    """8-bit float pages (kv_cache_dtype "fp8*") are widened exactly: over float32 queries the
+    output is the float64 oracle's over the rounded pages, to float32's tolerance."""
+    q_lens, kv_lens, kw = SHAPES[shape]
+    case = fp8_case(make_case(np.random.default_rng(zlib.crc32(shape.encode())), q_lens, kv_lens, **kw), dtype)
+    assert case.k_pages.dtype == jnp.dtype(dtype)
+    check(run(impl, case, sm_scale=0.125), case, "float32", sm_scale=0.125)
+
+
+def rounded_to_pool(values, dtype) -> np.ndarray:
+    """``values`` as an 8-bit float pool stores them, by ml_dtypes in numpy: saturated at the
+    largest finite value, then rounded to nearest even (XLA's convert on a CPU without F16C needs a
+    runtime helper its JIT does not link, so the native write's tests under
+    ``JAXRUNNER_CPU_MAX_ISA=sse4_2`` compare with numpy)."""
+    dtype = jnp.dtype(dtype)
+    largest = float(jnp.finfo(dtype).max)
+    return np.clip(np.asarray(values, np.float32), -largest, largest).astype(dtype)
+
+
+def numpy_write(pool, rows, slots) -> np.ndarray:
+    flat = np.array(pool).reshape(-1, *pool.shape[2:])
+    flat[np.asarray(slots)] = rounded_to_pool(rows, pool.dtype)
+    return flat.reshape(pool.shape)
+
+
+FP8_SPECIAL_VALUES = [0.0, -0.0, 1e30, -1e30, np.inf, -np.inf, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11,
+                      2.0 ** -17, 2.0 ** -16 * 1.5, 0.3, -1.0625, 1.1875, 17.5, 449.0, 465.0, -60000.0]
+
+
+def fp8_write_case(dtype):
+    """8 rows of 64: the special values (past the largest finite value, subnormals, ties), then
+    normal samples over twelve decades."""
+    rng = np.random.default_rng(5)
+    n = 8 * 64 - len(FP8_SPECIAL_VALUES)
+    values = np.concatenate([FP8_SPECIAL_VALUES, rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)])
+    return (jnp.asarray(values.reshape(8, 1, 64), jnp.float32), jnp.asarray(np.zeros((3, 8, 1, 64), jnp.dtype(dtype))),
+            jnp.arange(8, 16, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_native_page_write_saturates_and_rounds_like_ml_dtypes(dtype):
+    """Values past the format's largest finite one (e4m3fn has no infinity: a plain cast would
+    write NaN) saturate; the rest round to nearest even, subnormals included."""
+    if not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+    rows, pool, slots = fp8_write_case(dtype)
+    got = np.asarray(jax.jit(native.write_kv_pages_native)(pool, pool, rows, rows, slots)[0])
+    want = numpy_write(pool, rows, slots)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    written = got[1].astype(np.float32).ravel()
+    largest = float(jnp.finfo(dtype).max)
+    assert np.isfinite(written).all() and written[2] == largest and written[5] == -largest
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_xla_write_rounds_like_ml_dtypes(dtype):
+    rows, pool, slots = fp8_write_case(dtype)
+    got = np.asarray(jax.jit(kernels.write_kv_pages)(pool, pool, rows, rows, slots)[0])
+    assert np.array_equal(got.view(np.uint8), numpy_write(pool, rows, slots).view(np.uint8))
+
+
+def test_fp8_pools_refused_by_the_kernels_that_cannot_read_them():
+    for impl in ("pallas", "jax_tpu"):
+        with pytest.raises(ValueError, match=f"attention_impl='{impl}' does not read float8_e5m2 KV pages"):
+            kernels.choose_impl(impl, "cpu", kv_dtype="float8_e5m2")
+    for plat in ("gpu", "tpu"):
+        impl, why = kernels.choose_impl("auto", plat, head_dim=128, num_kv_heads=8, kv_dtype="float8_e4m3fn")
+        assert impl == "xla" and "8-bit" in why
+    assert kernels.resolve_impl("auto", "cpu", head_dim=64, kv_dtype="float8_e4m3fn") == kernels.resolve_impl("auto", "cpu")
 
 
 def test_write_then_attend_like_the_engine():

@@ -9,7 +9,9 @@
 // kv_lens [S]; page_indices [S, W]; cu_q_lens [S+1]; num_seqs [1]. Query row i of sequence s
 // sits at position kv_lens[s] - q_len(s) + i and attends to keys at positions <= its own (and
 // inside the sliding window when one is set). Rows with nothing to attend to and padding rows
-// (past cu_q_lens[num_seqs]) come out as zeros. Scores and softmax are float32.
+// (past cu_q_lens[num_seqs]) come out as zeros. Scores and softmax are float32. Queries are
+// float32 or bfloat16; pages float32, bfloat16 or 8-bit floats (fp8.h), each value widened exactly
+// to float32 as it is read.
 //
 // Work item: (sequence, tile of query rows), all heads: each page is read as one contiguous block
 // and the G = Hq/Hkv query heads of a kv head share every K/V row loaded (GQA without repeating
@@ -34,6 +36,7 @@
 #include <memory>
 #include <vector>
 
+#include "fp8.h"
 #include "helper_thread.h"
 #include "vec.h"
 #include "work_queue.h"
@@ -480,12 +483,27 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const auto qt = q.element_type(), kt = k_pages.element_type();
   const void *qp = q.untyped_data(), *kp = k_pages.untyped_data(), *vp = v_pages.untyped_data();
   void* op = out->untyped_data();
-  using ffi::DataType;
-  if (qt == DataType::F32 && kt == DataType::F32) RunForHeadDim<float, float>(pool, p, qp, kp, vp, op);
-  else if (qt == DataType::BF16 && kt == DataType::F32) RunForHeadDim<uint16_t, float>(pool, p, qp, kp, vp, op);
-  else if (qt == DataType::F32 && kt == DataType::BF16) RunForHeadDim<float, uint16_t>(pool, p, qp, kp, vp, op);
-  else if (qt == DataType::BF16 && kt == DataType::BF16) RunForHeadDim<uint16_t, uint16_t>(pool, p, qp, kp, vp, op);
-  else return ffi::Error::InvalidArgument("paged attention: q and pages must be float32 or bfloat16");
+  const bool q32 = qt == ffi::DataType::F32;
+  if (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
+  if (v_pages.element_type() != kt)
+    return ffi::Error::InvalidArgument("paged attention: k and v pages must share a dtype");
+  switch (kt) {
+    case ffi::DataType::F32:
+      q32 ? RunForHeadDim<float, float>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, float>(pool, p, qp, kp, vp, op);
+      break;
+    case ffi::DataType::BF16:
+      q32 ? RunForHeadDim<float, uint16_t>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, uint16_t>(pool, p, qp, kp, vp, op);
+      break;
+    case ffi::DataType::F8E4M3FN:
+      q32 ? RunForHeadDim<float, E4M3>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, E4M3>(pool, p, qp, kp, vp, op);
+      break;
+    case ffi::DataType::F8E5M2:
+      q32 ? RunForHeadDim<float, E5M2>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, E5M2>(pool, p, qp, kp, vp, op);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("paged attention: pages must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
+  }
   return ffi::Error::Success();
 }
 
@@ -526,17 +544,23 @@ ffi::Error WriteKv(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffe
       slot_mapping.element_count() != size_t(nd[0]))
     return ffi::Error::InvalidArgument("write_kv: bad shapes");
   const auto pt = k_pages.element_type(), nt = k_new.element_type();
-  const bool ok_types = (pt == DataType::F32 || pt == DataType::BF16) && (nt == DataType::F32 || nt == DataType::BF16) &&
-                        v_pages.element_type() == pt && v_new.element_type() == nt;
-  if (!ok_types) return ffi::Error::InvalidArgument("write_kv: pools and rows must be float32 or bfloat16");
+  const bool ok_types = (nt == DataType::F32 || nt == DataType::BF16) && v_pages.element_type() == pt &&
+                        v_new.element_type() == nt;
+  if (!ok_types) return ffi::Error::InvalidArgument("write_kv: rows must be float32 or bfloat16, k and v alike");
   const int64_t row = kd[2] * kd[3], num_slots = kd[0] * kd[1], tokens = nd[0];
   const int32_t* slots = slot_mapping.typed_data();
-  if (pt == DataType::F32) {
-    WritePool<float>(k_pages, &*k_out, k_new, slots, tokens, row, num_slots);
-    WritePool<float>(v_pages, &*v_out, v_new, slots, tokens, row, num_slots);
-  } else {
-    WritePool<uint16_t>(k_pages, &*k_out, k_new, slots, tokens, row, num_slots);
-    WritePool<uint16_t>(v_pages, &*v_out, v_new, slots, tokens, row, num_slots);
+  auto write_both = [&](auto pool_type) {
+    using PT = decltype(pool_type);
+    WritePool<PT>(k_pages, &*k_out, k_new, slots, tokens, row, num_slots);
+    WritePool<PT>(v_pages, &*v_out, v_new, slots, tokens, row, num_slots);
+  };
+  switch (pt) {
+    case DataType::F32: write_both(float{}); break;
+    case DataType::BF16: write_both(uint16_t{}); break;
+    case DataType::F8E4M3FN: write_both(E4M3{}); break;
+    case DataType::F8E5M2: write_both(E5M2{}); break;
+    default:
+      return ffi::Error::InvalidArgument("write_kv: pools must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   }
   return ffi::Error::Success();
 }
