@@ -15,7 +15,7 @@ import sys
 import time
 
 from jaxrunner import __version__, kernels
-from jaxrunner.config import DEFAULT_MODEL, DTYPES, EngineConfig
+from jaxrunner.config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 from jaxrunner.models.loading.resolve import ORBAX_MARKER, ModelNotFoundError, resolve_model
 from jaxrunner.sampling_params import SamplingParams
@@ -31,6 +31,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="linear-layer weights: int8/int4 weight-only (a 4-bit GGUF keeps its own blocks), "
                              "w4a8 (int4's weights, activations rounded to int8 per 32 inputs as llama.cpp "
                              "does), or w8a8 (int8 weights and activations); default: the dtype's floats")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=[c for c in KV_CACHE_DTYPES if c],
+                        help="KV cache pages (auto: the compute dtype; fp8 / fp8_e4m3 / fp8_e5m2: one byte a "
+                             "value, unscaled, half of bf16's memory and reads)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output, in tokens (default: the model's limit, lowered to what "
                              "the KV cache holds)")
@@ -61,7 +64,7 @@ def _engine_options(args) -> dict:
                    max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
                    cpu_matmul=args.cpu_matmul, seed=getattr(args, "seed", 0), progress=sys.stderr.isatty(),
                    tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                   quantization=args.quantization)
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.speculative_config is not None:
         from jaxrunner.llm import speculative_config_options  # lazy: jaxrunner.llm loads JAX; --help must not
 

@@ -15,7 +15,9 @@ from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = (None, "float32", "bfloat16")
+KV_CACHE_DTYPES = (None, "auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's names of the 8-bit float pools -> the dtype the pools hold ("fp8" is e4m3, as in vLLM)
+FP8_KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 WARMUP_INPUTS = ("random", "zeros")
 SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # 1 + 3 query tokens fill the 4-token bucket a batch-1 decode already has
@@ -39,7 +41,9 @@ class EngineConfig:
     async_scheduling: bool = True           # plan step N+1 while step N runs on the device
     attention_impl: str = "auto"            # auto | pallas | jax_tpu (TPU) | native (CPU) | xla | reference
     cpu_matmul: str = "auto"                # auto | xla | onednn: where a CPU's linear products run
-    kv_cache_dtype: str | None = None       # defaults to dtype (float32 for bf16 on CPU without the native kernel)
+    # None or "auto": the compute dtype (float32 for bf16 on CPU without the native kernel); "fp8",
+    # "fp8_e4m3", "fp8_e5m2": one byte a value, unscaled (saturating), held as float8_e4m3fn/e5m2
+    kv_cache_dtype: str | None = None
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9         # fraction of device memory an accelerator may use
     warmup_inputs: str = "random"           # random | zeros
@@ -101,6 +105,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_num_seqs ({self.max_num_seqs}) exceeds "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}); valid: "
                              f"max_num_seqs <= max_num_batched_tokens")
+
+    @property
+    def kv_pool_dtype(self) -> str | None:
+        """The dtype the KV pages are held in, as ``kv_cache_dtype`` asks (None: the engine's default)."""
+        if self.kv_cache_dtype == "auto":
+            return None
+        return FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     def _check_speculative(self) -> None:
         _check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)

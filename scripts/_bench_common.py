@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from jaxrunner.config import KV_CACHE_DTYPES
 from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -45,6 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
                    help=f"token budget of one step (default: max({MIN_TOKEN_BUDGET}, max-num-seqs))")
     g.add_argument("--max-model-len", type=int, default=max_model_len,
                    help="longest prompt + output (default: the workload's longest, rounded up to a page)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=[c for c in KV_CACHE_DTYPES if c],
+                   help="KV cache pages (fp8*: one byte a value, unscaled; a vLLM peer gets the same)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: sized by memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -126,7 +129,8 @@ def engine_options(args, *, max_total_len: int, max_concurrency: int, strict: bo
                    enable_chunked_prefill=not args.no_chunked_prefill, attention_impl=args.attention_impl,
                    cpu_matmul=args.cpu_matmul, async_scheduling=not args.no_async_scheduling,
                    seed=args.seed, progress=show_progress(args), tensor_parallel_size=args.tensor_parallel_size,
-                   data_parallel_size=args.data_parallel_size, quantization=getattr(args, "quantization", None))
+                   data_parallel_size=args.data_parallel_size, quantization=getattr(args, "quantization", None),
+                   kv_cache_dtype=args.kv_cache_dtype)
     if args.num_pages is not None:
         options["num_pages"] = args.num_pages
     if args.compilation_cache_dir:
@@ -400,8 +404,9 @@ def result_name(kind: str, dtype: str, *, tensor_parallel_size: int = 1, data_pa
 
 def default_output_json(kind: str, args, commit: str | None = None) -> str:
     """``benchmarks/results/<result_name>.json`` for a run with the engine flags in ``args``."""
-    quantization = getattr(args, "quantization", None)
+    quantization, kv = getattr(args, "quantization", None), getattr(args, "kv_cache_dtype", "auto")
     dtype = f"{args.dtype}-{quantization}" if quantization else args.dtype
+    dtype += f"-kv{kv}" if kv != "auto" else ""
     name = result_name(kind, dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                        data_parallel_size=getattr(args, "data_parallel_size", 1), commit=commit)
     return os.path.join(RESULTS_DIR, name + ".json")
@@ -761,6 +766,8 @@ def vllm_model_spec(args, options: dict) -> dict:
     engine = {"max_num_seqs": options["max_num_seqs"], "max_num_batched_tokens": options["max_num_batched_tokens"],
               "max_model_len": options["max_model_len"], "enable_prefix_caching": options["enable_prefix_caching"],
               "seed": options["seed"]}
+    if options.get("kv_cache_dtype", "auto") != "auto":  # the same pages for both engines
+        engine["kv_cache_dtype"] = options["kv_cache_dtype"]
     return {"model_dir": directory, "gguf_file": gguf, "dtype": options["dtype"],
             "engine": engine, "kv_cache_gib": args.vllm_kv_cache_gib}
 

@@ -99,9 +99,12 @@ def _labelled(doc: dict, workload: str) -> str:
 
 
 def _dtype_label(engine_config: dict) -> str:
-    """The dtype, with the weight quantization when there is one (``float32-int4``)."""
+    """The dtype, with the weight quantization and a KV cache dtype other than the default when
+    there are ones (``float32-int4``, ``bfloat16-kvfp8``)."""
     dtype, quantization = engine_config.get("dtype", "?"), engine_config.get("quantization")
-    return f"{dtype}-{quantization}" if quantization else dtype
+    label = f"{dtype}-{quantization}" if quantization else dtype
+    kv = engine_config.get("kv_cache_dtype")
+    return f"{label}-kv{kv}" if kv not in (None, "auto") else label
 
 
 def headline_rows(doc: dict) -> list[dict]:

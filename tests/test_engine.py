@@ -309,3 +309,32 @@ def test_default_kv_cache_dtype():
     assert default_kv_cache_dtype("bfloat16", "cpu", "native") == "bfloat16"
     assert default_kv_cache_dtype("bfloat16", "gpu", "pallas") == "bfloat16"
     assert default_kv_cache_dtype("float32", "cpu", "native") == "float32"
+
+
+@pytest.fixture(scope="module")
+def fp8_xla_reads(tiny_checkpoints, prompts):
+    """Greedy outputs over e4m3 pages through the plain-XLA attention: the oracle the native
+    kernel's fp8 pages are held to (both read the same rounded K/V and compute in float32)."""
+    xla = make_llm(tiny_checkpoints["llama"], kv_cache_dtype="fp8", attention_impl="xla")
+    return token_ids(xla.generate(prompts[:8], GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("kv_cache_dtype,pool", [("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+def test_fp8_kv_cache_serves_without_compiles_or_leaks(tiny_checkpoints, prompts, alone, fp8_xla_reads,
+                                                       kv_cache_dtype, pool):
+    """vLLM's kv_cache_dtype names: pages of one byte a value, half of a bf16 pool's memory. The
+    rounding moves outputs away from float pages', but not far; serving compiles nothing."""
+    import jax.numpy as jnp
+
+    fp8 = make_llm(tiny_checkpoints["llama"], kv_cache_dtype=kv_cache_dtype)
+    runner = fp8.engine.executor.runner
+    assert {pool_array.dtype for layer in runner.kv_cache for pool_array in layer} == {jnp.dtype(pool)}
+    assert runner.attention_impl == "native"
+    with count_compilations() as compiles:
+        got = token_ids(fp8.generate(prompts[:8], GREEDY, use_tqdm=False))
+    assert compiles == []
+    assert_no_pages_held(fp8)
+    if kv_cache_dtype == "fp8":
+        assert got == fp8_xla_reads
+    first_tokens = sum(g[0] == a[0] for g, a in zip(got, alone))
+    assert first_tokens >= 6, (got, alone[:8])

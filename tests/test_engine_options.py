@@ -31,7 +31,7 @@ from jaxrunner.models.loading.precision import choose_dtype, cpu_has_native_bf16
     ("max_model_len", 0.5, "an integer >= 1 or None"),
     ("seed", -1, "an integer >= 0"),
     ("dtype", "fp8", "one of 'auto', 'float32', 'bfloat16', 'float16'"),
-    ("kv_cache_dtype", "float16", "one of None, 'float32', 'bfloat16'"),
+    ("kv_cache_dtype", "float16", "one of None, 'auto', 'float32', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2'"),
     ("enable_prefix_caching", 1, "True or False"),
     ("async_scheduling", "no", "True or False"),
     ("memory_utilization", 1.5, "a number in (0, 1]"),
@@ -104,6 +104,29 @@ def test_kv_pool_larger_than_memory_is_refused_with_numbers_before_loading(tiny_
     if field == "num_pages":
         assert f"({page_bytes} bytes per page)" in message
     assert time.perf_counter() - start < 30
+
+
+def test_fp8_kv_cache_with_a_kernel_that_cannot_read_it_is_refused_before_loading(tiny_checkpoints, no_loading):
+    with pytest.raises(ValueError, match=r"attention_impl='pallas' does not read float8_e4m3fn KV pages .*valid "
+                                         r"with them: 'auto' or one of \('reference', 'xla', 'native'\)"):
+        LLM(tiny_checkpoints["qwen2"], **dict(TINY_ENGINE, kv_cache_dtype="fp8", attention_impl="pallas"))
+
+
+def test_kv_cache_dtype_names_as_vllm_has_them():
+    assert EngineConfig(kv_cache_dtype="auto").kv_pool_dtype is None
+    assert EngineConfig(kv_cache_dtype="fp8").kv_pool_dtype == "float8_e4m3fn"
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_pool_dtype == "float8_e4m3fn"
+    assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_pool_dtype == "float8_e5m2"
+    assert EngineConfig(kv_cache_dtype="bfloat16").kv_pool_dtype == "bfloat16"
+
+
+def test_fp8_pages_hold_twice_a_bf16_pool_in_the_same_bytes(tiny_checkpoints):
+    pages = {}
+    for kv in ("bfloat16", "fp8"):
+        llm = make_llm(tiny_checkpoints["llama"], kv_cache_dtype=kv, num_pages=None, kv_cache_memory_bytes=2**15)
+        pages[kv] = llm.engine.executor.runner.cache_spec.num_pages
+        assert llm.startup_report["kv_cache_dtype"] == EngineConfig(kv_cache_dtype=kv).kv_pool_dtype
+    assert pages["fp8"] == 2 * pages["bfloat16"]
 
 
 # ----------------------------------------------------------------------------- defaults from the model

@@ -84,6 +84,7 @@ class PagedAttention:
     impl: str = "auto"
     mesh: object = None
     max_prefill_seqs: int | None = None  # the scheduler's per-step bound (see kernels.dispatch)
+    query_dtype: object = None  # the queries' and the output's dtype; None: the pool's
 
     def __call__(self, q, k, v, layer_cache, meta: AttentionMetadata, *, sm_scale, sliding_window=None,
                  soft_cap=None):
@@ -97,7 +98,8 @@ class PagedAttention:
         return sharded(q, k, v, layer_cache, meta)
 
     def _local(self, q, k, v, layer_cache, meta: AttentionMetadata, *, sm_scale, sliding_window, soft_cap):
-        q = q.astype(layer_cache[0].dtype)  # the model hands float32 q; kernels take the cache's dtype
+        # the model hands float32 q; kernels take the cache's dtype, or bf16/f32 beside 8-bit pages
+        q = q.astype(self.query_dtype or layer_cache[0].dtype)
         # one fused call, so the pools handed back are the ones the kernel's loops carried (no copy)
         return kernels.write_kv_and_attend(
             q, k, v, tuple(layer_cache), meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,

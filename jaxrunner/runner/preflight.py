@@ -39,12 +39,14 @@ def check_before_loading(config: EngineConfig) -> None:
     meshes.check_tensor_parallel(cfg, config.tensor_parallel_size)
     if draft is not None:
         _check_draft(config, cfg, draft, max_model_len)
+    device = jax.local_devices()[0]
+    if config.kv_pool_dtype is not None:  # an attention_impl that cannot read such pages: refused here
+        choose_attention(config, device.platform, cfg, config.kv_pool_dtype)
     if config.num_pages is None and config.kv_cache_memory_bytes is None:
         return
-    device = jax.local_devices()[0]
     dtype, _ = choose_dtype(config.dtype, peek.checkpoint_dtype, device.platform)
     impl, _ = choose_attention(config, device.platform, cfg)
-    kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, device.platform, impl)
+    kv_dtype = config.kv_pool_dtype or default_kv_cache_dtype(dtype, device.platform, impl)
     tp = config.tensor_parallel_size
     budget = memory.memory_budget(device, config.memory_utilization)
     memory.check_pool_fits(budget, estimated_weights_bytes(cfg, dtype, config.quantization) // tp,

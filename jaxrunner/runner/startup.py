@@ -246,11 +246,11 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     device = meshes.local_device(mesh)
     budget = memory.memory_budget(device, config.memory_utilization)
     # a TPU writes every float pool in place, so its pool takes the model's dtype unless one is asked for
-    impl, impl_why = choose_attention(config, device.platform, cfg, config.kv_cache_dtype or model.dtype)
+    impl, impl_why = choose_attention(config, device.platform, cfg, config.kv_pool_dtype or model.dtype)
     key = jax.random.key(config.seed)
 
     def self_check(name: str) -> float:
-        dtype = config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, name)
+        dtype = config.kv_pool_dtype or default_kv_cache_dtype(model.dtype, device.platform, name)
         return warmup.attention_self_check(name, plan.buckets()[-1], config.page_size, cfg.num_heads,
                                            cfg.num_kv_heads, cfg.head_dim, dtype, jax.random.fold_in(key, 1 << 16),
                                            config.max_num_prefill_seqs)
@@ -259,7 +259,7 @@ def _start_runner(config: EngineConfig, model: LoadedModel, cache_watch) -> tupl
     t_checked = time.perf_counter()
     matmuls, matmuls_why = choose_matmuls(config, device.platform)
     template = KVCacheSpec(2, config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                           config.kv_cache_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
+                           config.kv_pool_dtype or default_kv_cache_dtype(model.dtype, device.platform, impl))
     num_pages, how, activation_bytes = _choose_num_pages(config, model, plan, budget, template, max_model_len, mesh)
     fitted, why = fit_max_model_len(config, max_model_len, why, num_pages)
     if fitted != max_model_len:

@@ -179,13 +179,16 @@ def self_check_case(bucket: Bucket, page_size: int, num_q_heads: int, num_kv_hea
     dummy = random_dummy_batch(key, bucket, page_size, num_pages, 64, 1 << 30, max_prefill_seqs, own_pages=True)
     k1, k2, k3, k4, k5 = jax.random.split(key, 5)
 
-    def normal(k, shape):
+    # queries and new rows come in a compute dtype: an 8-bit float pool's model computes in bf16 or wider
+    rows_dtype = dtype if jnp.dtype(dtype).itemsize > 1 else jnp.bfloat16
+
+    def normal(k, shape, dtype=dtype):
         return jax.random.normal(k, shape, jnp.float32).astype(dtype)
 
     pool_shape, new_shape = (num_pages, page_size, num_kv_heads, head_dim), (bucket.num_tokens, num_kv_heads, head_dim)
-    return SelfCheckCase(q=normal(k1, (bucket.num_tokens, num_q_heads, head_dim)), k_new=normal(k2, new_shape),
-                         v_new=normal(k3, new_shape), k_pages=normal(k4, pool_shape), v_pages=normal(k5, pool_shape),
-                         meta=dummy.attention)
+    return SelfCheckCase(q=normal(k1, (bucket.num_tokens, num_q_heads, head_dim), rows_dtype),
+                         k_new=normal(k2, new_shape, rows_dtype), v_new=normal(k3, new_shape, rows_dtype),
+                         k_pages=normal(k4, pool_shape), v_pages=normal(k5, pool_shape), meta=dummy.attention)
 
 
 def attention_self_check(impl: str, bucket: Bucket, page_size: int, num_q_heads: int, num_kv_heads: int,
