@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Quality of the weight formats against float32: logit error, next-token agreement, perplexity.
+"""Quality of the weight and KV cache formats against float32: logit error, next-token agreement, perplexity.
 
     python scripts/quant_quality.py                      # the default model, every format
     python scripts/quant_quality.py --model PATH --formats float32,int4
@@ -14,7 +14,9 @@ Formats: ``float32``; ``bfloat16`` (every weight and the activations); ``int8`` 
 (weight-only, quantized from the float32 weights, group 32; a tied embedding int8 per row);
 ``int4-gguf`` (the GGUF file's own blocks, kept as they are); ``w4a8`` and ``w4a8-gguf``, the same
 weights with the activations of their products rounded to int8 per run of 32 inputs (the rounding
-llama.cpp applies before its 4-bit dot products). From a 4-bit GGUF, "float32" is the file dequantized, so
+llama.cpp applies before its 4-bit dot products); ``kv-fp8_e4m3`` and ``kv-fp8_e5m2``, float32 weights
+with every layer's keys and values rounded as an 8-bit float KV cache stores them
+(``kv_cache_dtype="fp8"`` / ``"fp8_e5m2"``: unscaled, saturating). From a 4-bit GGUF, "float32" is the file dequantized, so
 ``int4-gguf`` differs from it only by the order of float32 additions. Prints a JSON object, then
 a Markdown table.
 """
@@ -27,7 +29,8 @@ import sys
 
 import numpy as np
 
-FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-gguf", "w4a8", "w4a8-gguf")
+FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-gguf", "w4a8", "w4a8-gguf", "kv-fp8_e4m3", "kv-fp8_e5m2")
+KV_FORMATS = {"kv-fp8_e4m3": "float8_e4m3fn", "kv-fp8_e5m2": "float8_e5m2"}  # -> the pages' dtype
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_quality.txt")
 PAD_TO = 256  # every sequence is padded to this many tokens: one compile per format
 
@@ -62,7 +65,7 @@ def format_params(name: str, model):
     from jaxrunner.models import quant
     from jaxrunner.models.loading import quantize
 
-    if name == "float32":
+    if name == "float32" or name in KV_FORMATS:
         return model.params
     if name == "bfloat16":
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params)
@@ -77,7 +80,7 @@ def format_params(name: str, model):
     raise SystemExit(f"--formats: unknown format {name!r} (valid: {', '.join(FORMATS)})")
 
 
-def logits_fn(model, int8_activations: bool = False):
+def logits_fn(model, int8_activations: bool = False, kv_dtype=None):
     import dataclasses
 
     import jax
@@ -86,6 +89,14 @@ def logits_fn(model, int8_activations: bool = False):
     from jaxrunner import kernels
     from jaxrunner.models.decoder import Decoder
     from jaxrunner.models.attention import DenseAttention
+    from jaxrunner.kernels.kv_write import to_pool_dtype
+
+    class RoundedKV(DenseAttention):
+        """Dense attention over keys and values as a ``kv_dtype`` page pool holds them."""
+
+        def __call__(self, q, k, v, *args, **kwargs):
+            k, v = (to_pool_dtype(x, kv_dtype).astype(x.dtype) for x in (k, v))
+            return super().__call__(q, k, v, *args, **kwargs)
 
     cfg = model.config
     matmuls = kernels.capabilities().matmuls  # the products run where the engine would run them
@@ -96,7 +107,8 @@ def logits_fn(model, int8_activations: bool = False):
     def run(params, ids):
         decoder = Decoder(cfg, matmuls)
         hidden, _ = decoder.forward(params, ids, jnp.arange(ids.shape[0]), [None] * cfg.num_layers,
-                                    jnp.zeros(ids.shape[0], jnp.int32), DenseAttention())
+                                    jnp.zeros(ids.shape[0], jnp.int32),
+                                    DenseAttention() if kv_dtype is None else RoundedKV())
         return decoder.compute_logits(params, hidden).astype(jnp.float32)
 
     def logits(params, ids: list[int]) -> np.ndarray:
@@ -130,11 +142,12 @@ def main(argv=None) -> int:
 
     model = load_model(args.model, "float32", progress=False)
     chats, text = sequences(model.tokenizer)
-    logits_of = {False: logits_fn(model), True: logits_fn(model, int8_activations=True)}
+    logits_of = {"float": logits_fn(model), "w4a8": logits_fn(model, int8_activations=True),
+                 **{name: logits_fn(model, kv_dtype=dtype) for name, dtype in KV_FORMATS.items()}}
     results, reference = {}, None
     for name in ["float32"] + [f for f in formats if f != "float32"]:
         params = format_params(name, model)
-        logits = logits_of[name.startswith("w4a8")]
+        logits = logits_of["w4a8" if name.startswith("w4a8") else name if name in KV_FORMATS else "float"]
         chat_logits = [logits(params, ids) for ids in chats]
         text_logits = logits(params, text)
         if reference is None:
