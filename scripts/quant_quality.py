@@ -156,20 +156,15 @@ def main(argv=None) -> int:
                          "chat": compare(reference[0], chat_logits), "text": compare([reference[1]], [text_logits]),
                          "perplexity": perplexity(text_logits, text)}
         print(f"{name}: done", file=sys.stderr, flush=True)
-    import datetime
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _bench_common as common
 
     commit = common.git_commit()
-    payload = {"benchmark": "quality", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "commit": commit, "model": model.source.path, "chat_prompts": len(chats), "text_tokens": len(text),
-               "formats": results}
-    print(json.dumps(payload, indent=1))
+    payload = {"model": model.source.path, "chat_prompts": len(chats), "text_tokens": len(text), "formats": results}
     path = args.output_json or os.path.join(common.RESULTS_DIR, common.result_name("quality", "float32", commit=commit)
                                             + ".json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
+    common.write_json(path, "quality", payload, commit=commit)  # with the versions and the CPU
+    print(json.dumps(payload, indent=1))
     print(table(results))
     return 0
 
