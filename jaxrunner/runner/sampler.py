@@ -114,26 +114,35 @@ def _row_uniforms(seeds, seeds_high, positions, stream: int = 0):
     return jax.vmap(one)(seeds, seeds_high, positions)
 
 
-def _inverse_cdf_sample(logits, uniforms):
-    """Draw token ~ softmax(logits) per row with one uniform number per row.
+def _inverse_cdf_sample(logits, uniforms, temperature=None, fallback=None):
+    """Draw token ~ softmax(logits / temperature) per row with one uniform number per row
+    (``temperature`` [S], default 1; ``fallback`` [S]: the rows' argmax, computed here if not given).
 
     Two levels so that no cumsum runs over the whole vocabulary: pick a block of ``CDF_BLOCK``
-    tokens from the block masses, then a token inside it.
+    tokens from the block masses, then a token inside it. The exponentials are summed per block
+    without being stored, and the chosen block's are computed again: a [S, V] array of them was
+    written and read back (64 rows of SmolLM2's 49152: about a fifth of a sampled batch's draw).
     """
     rows, vocab = logits.shape
     blocks = -(-vocab // CDF_BLOCK)
-    padded = jnp.pad(logits, ((0, 0), (0, blocks * CDF_BLOCK - vocab)), constant_values=-jnp.inf)
-    weights = jnp.exp(padded - jnp.max(padded, axis=-1, keepdims=True)).reshape(rows, blocks, CDF_BLOCK)
-    block_mass = jnp.sum(weights, axis=-1)
+    padded = logits
+    if blocks * CDF_BLOCK != vocab:
+        padded = jnp.pad(logits, ((0, 0), (0, blocks * CDF_BLOCK - vocab)), constant_values=-jnp.inf)
+    scale = 1.0 if temperature is None else (1.0 / temperature)[:, None, None]
+    top = jnp.max(padded, axis=-1)[:, None, None]
+    x = padded.reshape(rows, blocks, CDF_BLOCK)
+    block_mass = jnp.sum(jnp.exp((x - top) * scale), axis=-1)
     block_cdf = jnp.cumsum(block_mass, axis=-1)
     target = uniforms * block_cdf[:, -1]
     block = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), blocks - 1)
     remaining = target - jnp.take_along_axis(block_cdf - block_mass, block[:, None], axis=-1)[:, 0]
-    inner_cdf = jnp.cumsum(jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0], axis=-1)
+    chosen = jnp.take_along_axis(x, block[:, None, None], axis=1)  # [S, 1, CDF_BLOCK]
+    inner_cdf = jnp.cumsum(jnp.exp((chosen - top) * scale)[:, 0], axis=-1)
     token = block * CDF_BLOCK + jnp.minimum(jnp.sum(inner_cdf <= remaining[:, None], axis=-1), CDF_BLOCK - 1)
     # float rounding can land on a zero-probability token (masked or padding): fall back to the best
     possible = jnp.take_along_axis(padded, token[:, None], axis=-1)[:, 0] > -jnp.inf
-    return jnp.where(possible, token, first_argmax(logits)).astype(jnp.int32)
+    fallback = first_argmax(logits) if fallback is None else fallback
+    return jnp.where(possible, token, fallback).astype(jnp.int32)
 
 
 def _block_size(vocab: int) -> int:
@@ -198,18 +207,26 @@ def _add_logit_bias(logits, ids, values):
     return logits.at[_row_index(ids), jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
 
 
-def _draw(logits, sampling: SamplingMetadata, is_sampled):
-    """Temperature, top-k / top-p / min-p, then one inverse-CDF draw per row."""
+def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens):
+    """Temperature, top-k / top-p / min-p, then one inverse-CDF draw per row (``greedy_tokens``:
+    the rows' argmax, the draw's fallback)."""
     # greedy rows take no part in filtering (their settings must not force the slow path)
     top_k = jnp.where(is_sampled, sampling.top_k, 0)
     top_p = jnp.where(is_sampled, sampling.top_p, 1.0)
     min_p = jnp.where(is_sampled, sampling.min_p, 0.0)
-    scaled = logits / jnp.where(is_sampled, sampling.temperature, 1.0)[:, None]
-    scaled = _maybe(jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)),
-                    lambda x: _filter_top_k_top_p_min_p(x, top_k, top_p, min_p), scaled)
+    temperature = jnp.where(is_sampled, sampling.temperature, 1.0)
     uniforms = _row_uniforms(sampling.seeds, sampling.seeds_high, sampling.positions)
+    filters = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+
+    def filtered(x):
+        return _filter_top_k_top_p_min_p(x / temperature[:, None], top_k, top_p, min_p)
+
     if sampling.draft_tokens is None:
-        return _inverse_cdf_sample(scaled, uniforms)
+        # without filters the temperature goes into the draw's exponentials: no tempered copy of
+        # the logits is written
+        return jax.lax.cond(filters, lambda x: _inverse_cdf_sample(filtered(x), uniforms, fallback=greedy_tokens),
+                            lambda x: _inverse_cdf_sample(x, uniforms, temperature, greedy_tokens), logits)
+    scaled = jax.lax.cond(filters, filtered, lambda x: x / temperature[:, None], logits)
     return verify_draws(scaled, sampling.draft_tokens, uniforms,
                         _row_uniforms(sampling.seeds, sampling.seeds_high, sampling.positions, ACCEPT_STREAM))
 
@@ -300,7 +317,8 @@ def sample(logits, sampling: SamplingMetadata):
     def processed_tokens(x):
         x = _process_logits(x, sampling)
         greedy_tokens = first_argmax(x)
-        drawn = jax.lax.cond(jnp.any(is_sampled), lambda y: _draw(y, sampling, is_sampled), lambda y: greedy_tokens, x)
+        drawn = jax.lax.cond(jnp.any(is_sampled), lambda y: _draw(y, sampling, is_sampled, greedy_tokens),
+                             lambda y: greedy_tokens, x)
         return jnp.where(is_sampled, drawn, greedy_tokens)
 
     # A plain greedy batch skips processing, temperature, filters and the draw entirely (even
