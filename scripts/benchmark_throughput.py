@@ -13,7 +13,8 @@ separately); transformers' excludes model loading and runs in its own process (J
 slow torch down when they share one). Tokens counted are the requested ones (prompt
 + output); transformers' padding is its own cost. vLLM (``--compare vllm``) serves the same token
 ids through its own ``LLM.generate`` in its own Python and process (``vllm_peer.py``), with the same
-``max_num_seqs``, token budget and ``max_model_len``; its start-up is reported beside jaxrunner's.
+``max_num_seqs``, token budget and ``max_model_len``, as many times as jaxrunner (``--repetitions``;
+each engine's median run is its figure); its start-up is reported beside jaxrunner's.
 ``--compare-quantization`` serves the same requests with quantized weights too, in the same process,
 the two engines taking turns over ``--repetitions`` runs: the ratio of one to the other is then
 measured on the same machine in the same minutes, which on a noisy machine separate runs are not.
@@ -48,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve the requests with these weights, alternating runs with the float ones "
                              "(the result is named after the format)")
     parser.add_argument("--repetitions", type=int, default=None,
-                        help="runs of each jaxrunner engine; each reports its median run (default 1, or 3 "
-                             "with --compare-quantization)")
+                        help="runs of each engine (jaxrunner's and a vLLM peer's); each reports its median run "
+                             "(default 1, or 3 with --compare-quantization)")
     common.add_hf_args(parser)
     common.add_vllm_args(parser)
     common.add_engine_args(parser)
@@ -137,9 +138,11 @@ def hf_baseline(model: str, requests: list[dict], batch_sizes: list[int], progre
     return out["result"], info
 
 
-def vllm_peer(python: str, args, options: dict, requests: list[dict], progress: bool) -> tuple[dict, dict]:
-    """vLLM on the same requests, in its own Python and process (see ``vllm_peer.py``)."""
-    spec = {**common.vllm_model_spec(args, options), "mode": "throughput",
+def vllm_peer(python: str, args, options: dict, requests: list[dict], progress: bool,
+              repetitions: int = 1) -> tuple[dict, dict]:
+    """vLLM on the same requests, ``repetitions`` times like jaxrunner, in its own Python and
+    process (see ``vllm_peer.py``)."""
+    spec = {**common.vllm_model_spec(args, options), "mode": "throughput", "repetitions": repetitions,
             "requests": [{"prompt_token_ids": r["prompt_token_ids"], "output_len": r["output_len"]} for r in requests]}
     out = common.run_vllm_peer(python, spec, progress)
     return out["result"], out["info"]
@@ -246,7 +249,7 @@ def main(argv=None) -> int:
         hf_results, hf_info = hf_baseline(args.model, requests, hf_batch_sizes, progress, args.hf_threads)
         results.update(hf_results)
     if "vllm" in peers:
-        results["vllm"], vllm_info = vllm_peer(vllm_python, args, options, requests, progress)
+        results["vllm"], vllm_info = vllm_peer(vllm_python, args, options, requests, progress, repetitions)
 
     config = {"model": args.model, "num_requests": args.num_requests, "dataset": args.dataset,
               "dataset_path": args.dataset_path, "input_len": args.input_len if args.dataset == "random" else None,

@@ -46,7 +46,19 @@ def token_prompts(batch: list[list[int]]) -> list[dict]:
 
 
 def throughput(llm, spec: dict) -> dict:
-    """Every request at once through ``generate``, as ``vllm bench throughput`` serves them."""
+    """Every request at once through ``generate``, as ``vllm bench throughput`` serves them,
+    ``spec["repetitions"]`` times (default 1), each after emptying the prefix cache: the median
+    run's figures, with every run's total tok/s beside them in run order (as jaxrunner's)."""
+    runs = []
+    for _ in range(int(spec.get("repetitions", 1))):
+        llm.reset_prefix_cache()
+        runs.append(throughput_once(llm, spec))
+    rates = [run["total_tokens_per_s"] for run in runs]
+    median = runs[sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]]
+    return dict(median, repetitions=len(rates), total_tokens_per_s_runs=rates)
+
+
+def throughput_once(llm, spec: dict) -> dict:
     requests = spec["requests"]
     params = [greedy(r["output_len"]) for r in requests]
     start = time.perf_counter()
