@@ -488,19 +488,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
   if (v_pages.element_type() != kt)
     return ffi::Error::InvalidArgument("paged attention: k and v pages must share a dtype");
+  auto run = [&](auto page_type) {
+    using KT = decltype(page_type);
+    if (q32) RunForHeadDim<float, KT>(pool, p, qp, kp, vp, op);
+    else RunForHeadDim<uint16_t, KT>(pool, p, qp, kp, vp, op);
+  };
   switch (kt) {
-    case ffi::DataType::F32:
-      q32 ? RunForHeadDim<float, float>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, float>(pool, p, qp, kp, vp, op);
-      break;
-    case ffi::DataType::BF16:
-      q32 ? RunForHeadDim<float, uint16_t>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, uint16_t>(pool, p, qp, kp, vp, op);
-      break;
-    case ffi::DataType::F8E4M3FN:
-      q32 ? RunForHeadDim<float, E4M3>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, E4M3>(pool, p, qp, kp, vp, op);
-      break;
-    case ffi::DataType::F8E5M2:
-      q32 ? RunForHeadDim<float, E5M2>(pool, p, qp, kp, vp, op) : RunForHeadDim<uint16_t, E5M2>(pool, p, qp, kp, vp, op);
-      break;
+    case ffi::DataType::F32: run(float{}); break;
+    case ffi::DataType::BF16: run(uint16_t{}); break;
+    case ffi::DataType::F8E4M3FN: run(E4M3{}); break;
+    case ffi::DataType::F8E5M2: run(E5M2{}); break;
     default:
       return ffi::Error::InvalidArgument("paged attention: pages must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   }
