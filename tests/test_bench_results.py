@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import _bench_common as common  # noqa: E402
 import bench_history  # noqa: E402
 
-NAME = re.compile(r"^(?P<kind>[a-z]+(-tp\d+)?(-dp\d+)?-(float32|bfloat16)(-(int8|int4|w4a8|w8a8))?)-(?P<date>\d{4}-\d\d-\d\d)-"
+NAME = re.compile(r"^(?P<kind>[a-z]+(-tp\d+)?(-dp\d+)?-(float32|bfloat16)(-(int8|int4|w4a8|w8a8))?"
+                  r"(-kv(float32|bfloat16|fp8|fp8_e4m3|fp8_e5m2))?)-(?P<date>\d{4}-\d\d-\d\d)-"
                   r"(?P<commit>[0-9a-f]{7,}|nogit)\.(json|png)$")
 
 
@@ -25,6 +26,16 @@ def test_result_name_says_benchmark_parallelism_dtype_date_and_commit():
         "throughput-float32-2026-12-01-abc1234"
     assert common.result_name("latency", "bfloat16", tensor_parallel_size=3, data_parallel_size=2,
                               date="2026-12-01", commit="abc1234") == "latency-tp3-dp2-bfloat16-2026-12-01-abc1234"
+
+
+def test_a_kv_cache_dtype_other_than_the_default_is_in_the_name_and_the_history_label():
+    args = argparse.Namespace(output_json=None, dtype="bfloat16", quantization="int8", kv_cache_dtype="fp8")
+    name = os.path.basename(common.default_output_json("throughput", args, commit="abc1234"))
+    assert NAME.match(name) and name.startswith("throughput-bfloat16-int8-kvfp8-"), name
+    assert bench_history._dtype_label({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}) == "bfloat16-kvfp8"
+    assert bench_history._dtype_label({"dtype": "bfloat16", "kv_cache_dtype": "auto"}) == "bfloat16"
+    args.kv_cache_dtype = "auto"
+    assert "-kv" not in common.default_output_json("throughput", args, commit="abc1234")
 
 
 def test_git_commit_is_the_checkouts_short_head():
