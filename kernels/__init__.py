@@ -33,7 +33,7 @@ else:
         "choose_impl": "dispatch", "ragged_paged_attention": "dispatch", "resolve_impl": "dispatch",
         "write_kv_and_attend": "dispatch", "kv_pool_shapes": "dispatch", "kv_pools": "dispatch",
         "kv_from_pools": "dispatch",
-        "write_kv_pages": "kv_write",
+        "write_kv_pages": "kv_write", "is_fp8": "kv_write",
         # the native CPU matmuls, for the products ``capabilities().matmuls`` sends there (call them only then)
         "dequantize_native": "native", "quantized_matmul_native": "native", "quantized_matmul_supported": "native",
         "PanelWeight": "quant_panels", "panel_matmul": "quant_panels", "to_panels": "quant_panels",

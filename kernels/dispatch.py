@@ -21,7 +21,7 @@ import importlib
 import jax.numpy as jnp
 
 from jaxrunner.kernels import jax_tpu
-from jaxrunner.kernels.kv_write import write_kv_pages, write_kv_pages_combined
+from jaxrunner.kernels.kv_write import is_fp8, write_kv_pages, write_kv_pages_combined
 from jaxrunner.kernels.names import ATTENTION_IMPLS, ATTENTION_KERNELS, AUTO, FP8_POOL_IMPLS
 from jaxrunner.kernels.platform_support import capabilities
 from jaxrunner.kernels.native import supports as supports_head_dim, write_kv_pages_native
@@ -31,11 +31,6 @@ from jaxrunner.kernels.xla import ragged_paged_attention_xla
 def triton_supports(head_dim: int | None) -> bool:
     """Whether the Triton kernel lowers for heads of ``head_dim`` (any page size does)."""
     return head_dim is None or (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
-
-
-def is_fp8(dtype) -> bool:
-    """Whether ``dtype`` (a name or dtype; None: unknown) is one of the 8-bit float pool dtypes."""
-    return dtype is not None and jnp.dtype(dtype) in (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def choose_impl(impl: str = "auto", platform: str | None = None, head_dim: int | None = None,

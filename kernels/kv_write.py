@@ -52,8 +52,15 @@ def write_kv_pages_combined(kv_pages, k_new, v_new, slot_mapping):
                          f"{kv_pages.shape}: expected [P, page_size, {2 * num_kv_heads}, {head_dim}]")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} vs tokens {num_tokens}")
-    rows = jnp.stack([to_pool_dtype(k_new, kv_pages.dtype), to_pool_dtype(v_new, kv_pages.dtype)], axis=2)  # [T, Hkv, 2, D]
+    rows = jnp.stack([to_pool_dtype(k_new, kv_pages.dtype), to_pool_dtype(v_new, kv_pages.dtype)],
+                     axis=2)  # [T, Hkv, 2, D]
     return _scatter_rows(kv_pages, rows.reshape(num_tokens, 2 * num_kv_heads, head_dim), slot_mapping)
+
+
+def is_fp8(dtype) -> bool:
+    """Whether ``dtype`` (a name or dtype; None: unknown) is one of the 8-bit float page dtypes
+    (``kv_cache_dtype`` "fp8*")."""
+    return dtype is not None and jnp.dtype(dtype) in (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def to_pool_dtype(rows, dtype):
@@ -61,7 +68,7 @@ def to_pool_dtype(rows, dtype):
     first (e4m3fn has no infinity: a plain cast turns anything past 448 into NaN, and one NaN in a
     page poisons every later score of its sequence); the native write rounds the same way."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+    if is_fp8(dtype):
         largest = float(jnp.finfo(dtype).max)
         rows = jnp.clip(rows.astype(jnp.float32), -largest, largest)
     return rows.astype(dtype)

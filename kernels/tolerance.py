@@ -29,6 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxrunner.kernels.kv_write import is_fp8
+
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "tf32": 2.0 ** -11, "bfloat16": 2.0 ** -8,
                  "float16": 2.0 ** -11}
 EXACT_INPUTS_FACTOR = 4
@@ -41,12 +43,13 @@ def dot_format(impl: str, dtype, platform: str | None = None) -> str:
     """The narrowest operand format the dots of ``impl`` use for a cache of ``dtype``.
 
     16-bit caches: their own format (``p`` is cast to it). 8-bit float caches (read only by the
-    native kernel and the XLA paths, which widen them to float32): float32. float32 caches: full float32 for our
+    native kernel and the XLA paths, which widen them exactly to float32): the bf16 of the queries
+    and outputs that come with them. float32 caches: full float32 for our
     kernels and the XLA paths, which ask for ``Precision.HIGHEST``; jax's TPU kernel runs its
     float32 dots at the TPU default, one bfloat16 pass.
     """
     name = jnp.dtype(dtype).name
-    if jnp.dtype(dtype).itemsize == 1:  # 8-bit float pages: widened exactly; queries and outputs bf16 or wider
+    if is_fp8(dtype):
         return "bfloat16"
     if name != "float32":
         return name

@@ -208,7 +208,7 @@ class ModelRunner:
         self.matmuls = matmuls  # where the model's products run
         sharded = meshes.tensor_parallel_size(self.mesh) > 1
         # queries keep the model's dtype over 8-bit float pages (the kernels widen those as they read)
-        query_dtype = params["final_norm"].dtype if jnp.dtype(cache_spec.dtype).itemsize == 1 else None
+        query_dtype = params["final_norm"].dtype if kernels.is_fp8(cache_spec.dtype) else None
         attention = PagedAttention(self.attention_impl, self.mesh if sharded else None, max_prefill_seqs,
                                    query_dtype)
         param_shardings = sharding.param_shardings(params, self.mesh, registry.partition_rules(cfg))

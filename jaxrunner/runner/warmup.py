@@ -180,7 +180,7 @@ def self_check_case(bucket: Bucket, page_size: int, num_q_heads: int, num_kv_hea
     k1, k2, k3, k4, k5 = jax.random.split(key, 5)
 
     # queries and new rows come in a compute dtype: an 8-bit float pool's model computes in bf16 or wider
-    rows_dtype = dtype if jnp.dtype(dtype).itemsize > 1 else jnp.bfloat16
+    rows_dtype = jnp.bfloat16 if kernels.is_fp8(dtype) else dtype
 
     def normal(k, shape, dtype=dtype):
         return jax.random.normal(k, shape, jnp.float32).astype(dtype)
