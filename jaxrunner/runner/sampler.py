@@ -28,6 +28,7 @@ uniform of the row's key (``ACCEPT_STREAM``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -250,32 +251,30 @@ def _maybe(flag, fn, x):
     return jax.lax.cond(flag, fn, lambda y: y, x)
 
 
-def _needs_processing(sampling: SamplingMetadata):
-    """Whether some row of the batch uses any of :func:`_process_logits`' steps."""
-    return (jnp.any(sampling.token_bitmask != -1) | jnp.any(sampling.allowed_token_ids >= 0)
-            | jnp.any(sampling.logit_bias_ids >= 0) | jnp.any(sampling.banned >= 0)
-            | jnp.any(_needs_penalty(sampling)))
-
-
-def _needs_penalty(sampling: SamplingMetadata):
-    return ((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
-            | (sampling.frequency_penalty != 0.0))
+def _processing_steps(sampling: SamplingMetadata) -> list:
+    """Structured-output bitmask, allowed tokens, logit bias, bans, penalties: each as (whether
+    some row of the batch uses it, the step on the logits)."""
+    bitmask, allowed, banned = sampling.token_bitmask, sampling.allowed_token_ids, sampling.banned
+    bias_ids, bias_values = sampling.logit_bias_ids, sampling.logit_bias_values
+    needs_penalty = ((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
+                     | (sampling.frequency_penalty != 0.0))
+    return [
+        (jnp.any(bitmask != -1), lambda l: _keep_bitmask(l, bitmask)),
+        (jnp.any(allowed >= 0), lambda l: _keep_allowed(l, allowed)),
+        (jnp.any(bias_ids >= 0), lambda l: _add_logit_bias(l, bias_ids, bias_values)),
+        (jnp.any(banned >= 0), lambda l: _ban_tokens(l, banned)),
+        (jnp.any(needs_penalty), lambda l: _apply_penalties(l, sampling.history, sampling.prompt_lens,
+                                                            sampling.repetition_penalty, sampling.presence_penalty,
+                                                            sampling.frequency_penalty)),
+    ]
 
 
 def _process_logits(logits, sampling: SamplingMetadata):
-    """Structured-output bitmask, allowed tokens, logit bias, bans, penalties: each only in
-    batches where some row uses it."""
-    bitmask = sampling.token_bitmask
-    logits = _maybe(jnp.any(bitmask != -1), lambda l: _keep_bitmask(l, bitmask), logits)
-    allowed = sampling.allowed_token_ids
-    logits = _maybe(jnp.any(allowed >= 0), lambda l: _keep_allowed(l, allowed), logits)
-    bias_ids, bias_values = sampling.logit_bias_ids, sampling.logit_bias_values
-    logits = _maybe(jnp.any(bias_ids >= 0), lambda l: _add_logit_bias(l, bias_ids, bias_values), logits)
-    banned = sampling.banned
-    logits = _maybe(jnp.any(banned >= 0), lambda l: _ban_tokens(l, banned), logits)
-    return _maybe(jnp.any(_needs_penalty(sampling)),
-                  lambda l: _apply_penalties(l, sampling.history, sampling.prompt_lens, sampling.repetition_penalty,
-                                             sampling.presence_penalty, sampling.frequency_penalty), logits)
+    """The logit-processing steps (:func:`_processing_steps`), each only in batches where some
+    row uses it."""
+    for used, step in _processing_steps(sampling):
+        logits = _maybe(used, step, logits)
+    return logits
 
 
 def _ranks(raw, chosen):
@@ -325,7 +324,8 @@ def sample(logits, sampling: SamplingMetadata):
     # `logits / 1` over the vocabulary cost 6.5 ms per 64-row step, profiled), and its one cond
     # hands back tokens, not logits: a branch returning the logits as they were copied them
     # (0.6 ms a 64-row SmolLM2 step), since the raw ones stay alive for the logprobs.
-    tokens = jax.lax.cond(_needs_processing(sampling) | jnp.any(is_sampled), processed_tokens, first_argmax, logits)
+    processing = functools.reduce(jnp.logical_or, [used for used, _ in _processing_steps(sampling)])
+    tokens = jax.lax.cond(processing | jnp.any(is_sampled), processed_tokens, first_argmax, logits)
 
     def logprob_details(x):
         log_normalizer = jax.nn.logsumexp(x, axis=-1)
