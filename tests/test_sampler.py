@@ -24,10 +24,11 @@ def numpy_keep_mask(logits, top_k, top_p, min_p):
         probs /= probs.sum()
         sorted_probs = probs[order]
         before = np.cumsum(sorted_probs) - sorted_probs
-        nucleus = np.zeros(len(row), bool)
-        nucleus[order[(before < top_p[r]) & allowed[order]]] = True
-        nucleus[order[0]] = True
-        allowed &= nucleus
+        if top_p[r] < 1:  # 1 turns top-p off (the cumulative sum may round to 1 before the tail)
+            nucleus = np.zeros(len(row), bool)
+            nucleus[order[(before < top_p[r]) & allowed[order]]] = True
+            nucleus[order[0]] = True
+            allowed &= nucleus
         if min_p[r] > 0:
             full = np.exp(row - row.max())
             allowed &= full >= min_p[r] * full.max()
@@ -35,19 +36,52 @@ def numpy_keep_mask(logits, top_k, top_p, min_p):
     return keep
 
 
-@pytest.mark.parametrize("scale", [8.0, 0.3])  # peaked (candidates decide) and flat (full-sort fallback)
-def test_filters_match_numpy(scale):
+# peaked (the best candidates decide) and flat (the bisections over the whole vocabulary); top-k
+# within the candidates and wider than them (300, 1000 > FILTER_CANDIDATES), alone and under top-p
+@pytest.mark.parametrize("scale,vocab", [(8.0, 1000), (0.3, 1000), (0.3, 49152)])
+def test_filters_match_numpy(scale, vocab):
     rng = np.random.default_rng(0)
-    rows, vocab = 12, 1000
+    rows = 16
     logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
-    top_k = rng.choice([0, 1, 5, 40, 300], rows).astype(np.int32)
+    top_k = rng.choice([0, 1, 5, 40, 300, 1000], rows).astype(np.int32)
+    top_k[:4] = [300, 1000, 300, 0]
     top_p = rng.choice([1.0, 0.5, 0.9, 0.99], rows).astype(np.float32)
+    top_p[:4] = [1.0, 1.0, 0.9, 0.95]
     min_p = rng.choice([0.0, 0.05, 0.3], rows).astype(np.float32)
+    min_p[:4] = 0.0
     filtered = np.asarray(jax.jit(sampler._filter_top_k_top_p_min_p)(logits, top_k, top_p, min_p))
     ours = np.isfinite(filtered)
     expected = numpy_keep_mask(logits, top_k, top_p, min_p)
     # ties at a threshold may keep one more token; none in continuous random logits
     np.testing.assert_array_equal(ours, expected)
+
+
+def test_filter_keeps_ties_at_the_threshold():
+    """Logits in few distinct values, as after rounding to bf16: every token tied with the last
+    one a sort would keep stays, and a top-k cut through a tie keeps the whole tie."""
+    rng = np.random.default_rng(1)
+    logits = rng.integers(0, 6, (3, 2000)).astype(np.float32) * 0.25
+    top_k = np.array([0, 700, 0], np.int32)
+    top_p = np.array([0.6, 1.0, 0.9], np.float32)
+    min_p = np.zeros(3, np.float32)
+    ours = np.isfinite(np.asarray(jax.jit(sampler._filter_top_k_top_p_min_p)(logits, top_k, top_p, min_p)))
+    expected = numpy_keep_mask(logits, top_k, top_p, min_p)
+    for r in range(3):
+        kept_values = np.unique(logits[r][expected[r]])
+        np.testing.assert_array_equal(ours[r], logits[r] >= kept_values.min())
+
+
+def test_a_row_the_candidates_decide_ignores_its_batch():
+    """A peaked row keeps the same tokens whether or not a flat batch-mate sends the step down the
+    bisection path."""
+    rng = np.random.default_rng(2)
+    peaked = rng.standard_normal(5000).astype(np.float32) * 8
+    flat = rng.standard_normal(5000).astype(np.float32) * 0.3
+    keep = jax.jit(sampler._filter_top_k_top_p_min_p)
+    alone = keep(np.stack([peaked, peaked]), np.zeros(2, np.int32), np.full(2, 0.9, np.float32), np.zeros(2, np.float32))
+    mixed = keep(np.stack([peaked, flat]), np.zeros(2, np.int32), np.full(2, 0.9, np.float32), np.zeros(2, np.float32))
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(mixed)[0])
+    assert np.isfinite(np.asarray(mixed)[1]).sum() > sampler.FILTER_CANDIDATES
 
 
 def test_inverse_cdf_draws_follow_the_distribution():
