@@ -81,8 +81,8 @@ def _config_workload(doc: dict) -> str:
 
 def _labelled(doc: dict, workload: str) -> str:
     """``workload`` with what sets the run apart: another model first, a throughput run's token
-    budget other than the scripts' default, a forced CPU matmul last (a 1B run or an A/B arm is
-    not the default workload)."""
+    budget other than the scripts' default, a forced CPU matmul, then sampled requests' settings
+    (a 1B run, an A/B arm or a sampled run is not the default workload)."""
     parts = [workload] if workload else []
     model = (doc.get("config") or {}).get("model")
     if model and model != DEFAULT_MODEL:
@@ -95,6 +95,8 @@ def _labelled(doc: dict, workload: str) -> str:
     matmul = engine.get("cpu_matmul", "auto")
     if matmul != "auto":
         parts.append(f"cpu_matmul={matmul}")
+    sampling = (doc.get("config") or {}).get("sampling") or {}
+    parts.extend(f"{k}={v}" for k, v in sampling.items() if v)
     return " ".join(parts)
 
 

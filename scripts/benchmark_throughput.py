@@ -6,9 +6,11 @@
     python scripts/benchmark_throughput.py --compare vllm --vllm-python ~/vllm-cpu/bin/python
     python scripts/benchmark_throughput.py --dataset builtin --output-len 64
     python scripts/benchmark_throughput.py --dtype bfloat16 --compare-quantization int4 --repetitions 4
+    python scripts/benchmark_throughput.py --temperature 0.8 --top-p 0.95 --compare vllm  # sampled
 
-Every request is greedy with EOS ignored, so each produces exactly its output length and both
-engines do the same work. jaxrunner's figure excludes start-up (load + compile + warm-up, reported
+Every request ignores EOS, so each produces exactly its output length and both engines do the
+same work. Requests are greedy unless ``--temperature`` (with ``--top-p``, ``--top-k``) samples
+them, with the same settings for every engine; the result file is then named ``...-sampled-...``. jaxrunner's figure excludes start-up (load + compile + warm-up, reported
 separately); transformers' excludes model loading and runs in its own process (JAX's CPU threads
 slow torch down when they share one). Tokens counted are the requested ones (prompt
 + output); transformers' padding is its own cost. vLLM (``--compare vllm``) serves the same token
@@ -51,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repetitions", type=int, default=None,
                         help="runs of each engine (jaxrunner's and a vLLM peer's); each reports its median run "
                              "(default 1, or 3 with --compare-quantization)")
+    g = parser.add_argument_group("sampling (every request, every engine)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 (the default): off")
+    g.add_argument("--top-k", type=int, default=0, help="0 (the default): off")
     common.add_hf_args(parser)
     common.add_vllm_args(parser)
     common.add_engine_args(parser)
@@ -64,12 +70,30 @@ def make_requests(args, tokenizer) -> list[dict]:
     return common.dataset_requests(args, tokenizer, args.num_requests, rng, args.output_len)
 
 
-def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True) -> dict:
-    """Serve all requests at once through ``llm.generate``; tokens/s over the wall time."""
+def sampling_settings(args) -> dict:
+    """The requests' sampling settings from the flags: ``{}`` for greedy, else temperature, top_p
+    and top_k (0: off). Refuses what the engines would ignore or reject, before any start-up."""
+    if args.temperature < 0:
+        raise common.BenchError(f"--temperature: must be at least 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise common.BenchError(f"--top-p: must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise common.BenchError(f"--top-k: must be 0 (off) or at least 1, got {args.top_k}")
+    if args.temperature == 0:
+        if args.top_p < 1 or args.top_k > 0:
+            raise common.BenchError("--top-p and --top-k need --temperature above 0 (greedy requests ignore them)")
+        return {}
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
+def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True, sampling: dict | None = None) -> dict:
+    """Serve all requests at once through ``llm.generate``; tokens/s over the wall time.
+    ``sampling``: temperature, top_p, top_k for every request (greedy without)."""
     from jaxrunner import SamplingParams
 
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in requests]
+    settings = {"temperature": 0.0, **(sampling or {})}
+    params = [SamplingParams(max_tokens=r["output_len"], ignore_eos=True, **settings) for r in requests]
     load_before = common.load_average()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -82,7 +106,8 @@ def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True) -> dict:
     return figures
 
 
-def serve_alternating(llms: dict, requests: list[dict], repetitions: int, use_tqdm: bool) -> dict:
+def serve_alternating(llms: dict, requests: list[dict], repetitions: int, use_tqdm: bool,
+                      sampling: dict | None = None) -> dict:
     """Each engine serves ``requests`` ``repetitions`` times, the engines taking turns in an order
     that alternates, each run after emptying its prefix cache (so every run computes every prompt).
     An engine's figures are its median run's (the upper one of an even count), with every run's
@@ -91,7 +116,7 @@ def serve_alternating(llms: dict, requests: list[dict], repetitions: int, use_tq
     for repetition in range(repetitions):
         for name in (list(llms) if repetition % 2 == 0 else list(llms)[::-1]):
             llms[name].reset_prefix_cache()
-            runs[name].append(run_jaxrunner(llms[name], requests, use_tqdm=use_tqdm))
+            runs[name].append(run_jaxrunner(llms[name], requests, use_tqdm=use_tqdm, sampling=sampling))
     out = {}
     for name, figures in runs.items():
         rates = [f["total_tokens_per_s"] for f in figures]
@@ -139,10 +164,11 @@ def hf_baseline(model: str, requests: list[dict], batch_sizes: list[int], progre
 
 
 def vllm_peer(python: str, args, options: dict, requests: list[dict], progress: bool,
-              repetitions: int = 1) -> tuple[dict, dict]:
-    """vLLM on the same requests, ``repetitions`` times like jaxrunner, in its own Python and
-    process (see ``vllm_peer.py``)."""
+              repetitions: int = 1, sampling: dict | None = None) -> tuple[dict, dict]:
+    """vLLM on the same requests, ``repetitions`` times like jaxrunner, with the same sampling
+    settings, in its own Python and process (see ``vllm_peer.py``)."""
     spec = {**common.vllm_model_spec(args, options), "mode": "throughput", "repetitions": repetitions,
+            "sampling": sampling or {},
             "requests": [{"prompt_token_ids": r["prompt_token_ids"], "output_len": r["output_len"]} for r in requests]}
     out = common.run_vllm_peer(python, spec, progress)
     return out["result"], out["info"]
@@ -214,10 +240,13 @@ def main(argv=None) -> int:
     repetitions = args.repetitions if args.repetitions is not None else (3 if args.compare_quantization else 1)
     if repetitions < 1:
         raise common.BenchError(f"--repetitions: must be at least 1, got {repetitions}")
+    sampling = sampling_settings(args)
     if args.compare_quantization is not None and args.quantization is not None:
         raise common.BenchError(f"--compare-quantization {args.compare_quantization} runs beside float weights: "
                                 f"drop --quantization {args.quantization}")
     peers = args.compare.split(",") if args.compare != "none" else []
+    if "hf" in peers and sampling:
+        raise common.BenchError("--compare hf: transformers' static batches here are greedy; drop --temperature")
     hf_batch_sizes = common.parse_int_list(args.hf_batch_sizes, "--hf-batch-sizes") if "hf" in peers else []
     if "hf" in peers:
         common.hf_spec(args.model, args.hf_threads)  # fail before the long start-up if transformers can't load it
@@ -238,7 +267,7 @@ def main(argv=None) -> int:
         raise common.BenchError(f"--max-model-len {options['max_model_len']}: {len(too_long)} requests need more "
                                 f"(longest {max(len(r['prompt_token_ids']) + r['output_len'] for r in too_long)})")
 
-    results = serve_alternating(llms, requests, repetitions, progress)
+    results = serve_alternating(llms, requests, repetitions, progress, sampling)
     startup = common.startup_summary(llm)
     startup["total_s"] = startup_s
     engine_stats = {k: v for k, v in llm.engine.stats().items() if k != "tokens_per_step"}
@@ -249,12 +278,14 @@ def main(argv=None) -> int:
         hf_results, hf_info = hf_baseline(args.model, requests, hf_batch_sizes, progress, args.hf_threads)
         results.update(hf_results)
     if "vllm" in peers:
-        results["vllm"], vllm_info = vllm_peer(vllm_python, args, options, requests, progress, repetitions)
+        results["vllm"], vllm_info = vllm_peer(vllm_python, args, options, requests, progress, repetitions,
+                                               sampling)
 
     config = {"model": args.model, "num_requests": args.num_requests, "dataset": args.dataset,
               "dataset_path": args.dataset_path, "input_len": args.input_len if args.dataset == "random" else None,
               "output_len": args.output_len, "seed": args.seed, "compare": args.compare, "engine": options,
               "compare_quantization": args.compare_quantization, "repetitions": repetitions,
+              "sampling": sampling or None,
               "prompt_len_stats": common.percentiles([len(r["prompt_token_ids"]) for r in requests], (0, 50, 100))}
     payload = {"config": config, "startup": startup, "engine_stats": engine_stats, "transformers": hf_info,
                "vllm": vllm_info, "results": results, "ratio": ratios(results)}

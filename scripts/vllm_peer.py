@@ -12,7 +12,8 @@ GGUF (the ``gguf`` package comes with jaxrunner; vLLM's CPU build does not bring
 
 SPEC: ``{"mode": "throughput" | "latency" | "startup", "model_dir", "gguf_file" (or null),
 "dtype", "engine": {vLLM LLM(...) options}, "result": path, ...}``; throughput adds ``requests``
-(``[{"prompt_token_ids", "output_len"}]``), latency adds ``batches`` (``[{"batch_size",
+(``[{"prompt_token_ids", "output_len"}]``) and ``sampling`` (temperature, top_p, top_k; greedy
+when absent), latency adds ``batches`` (``[{"batch_size",
 "input_len", "output_len", "repetitions": [[prompt ids, ...], ...], "warmup"}]``), startup
 ``prompt_token_ids`` (one request after start-up).
 """
@@ -36,9 +37,17 @@ def start_engine(spec: dict):
 
 
 def greedy(max_tokens: int):
+    return sampled(max_tokens, {})
+
+
+def sampled(max_tokens: int, sampling: dict):
+    """EOS ignored; ``sampling``: temperature, top_p, top_k (0: off), greedy when empty."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    settings = {"temperature": 0.0, **sampling}
+    if not settings.get("top_k"):
+        settings.pop("top_k", None)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **settings)
 
 
 def token_prompts(batch: list[list[int]]) -> list[dict]:
@@ -60,7 +69,7 @@ def throughput(llm, spec: dict) -> dict:
 
 def throughput_once(llm, spec: dict) -> dict:
     requests = spec["requests"]
-    params = [greedy(r["output_len"]) for r in requests]
+    params = [sampled(r["output_len"], spec.get("sampling") or {}) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(token_prompts([r["prompt_token_ids"] for r in requests]), params, use_tqdm=False)
     elapsed = time.perf_counter() - start
