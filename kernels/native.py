@@ -1,5 +1,5 @@
 """The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row
-matmuls, the gated MLP's SiLU product, RoPE): built on first use into one library, called through XLA's FFI.
+matmuls, the gated MLP's SiLU product, RoPE, the sampler's top-k/top-p thresholds): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
 ``-march=native`` for the machine it runs on (AVX-512 where there is one; ``cpu_isa.py`` says how
@@ -35,7 +35,8 @@ logger = logging.getLogger("jaxrunner")
 
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
-           CPU_DIR / "quant_panels.cc", CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc")
+           CPU_DIR / "quant_panels.cc", CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc",
+           CPU_DIR / "sampling_thresholds.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "fp8.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
            CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
@@ -56,6 +57,8 @@ SILU_MUL_TARGET_NAME = "jaxrunner_cpu_silu_mul"
 SILU_MUL_SYMBOL = "JaxrunnerCpuSiluMul"
 ROTARY_TARGET_NAME = "jaxrunner_cpu_rotary"
 ROTARY_SYMBOL = "JaxrunnerCpuRotary"
+THRESHOLDS_TARGET_NAME = "jaxrunner_cpu_sampling_thresholds"
+THRESHOLDS_SYMBOL = "JaxrunnerCpuSamplingThresholds"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
 # for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
@@ -148,6 +151,8 @@ def _load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(SILU_MUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, SILU_MUL_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(ROTARY_TARGET_NAME, jax.ffi.pycapsule(getattr(library, ROTARY_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(THRESHOLDS_TARGET_NAME, jax.ffi.pycapsule(getattr(library, THRESHOLDS_SYMBOL)),
                                 platform="cpu")
     return library
 
@@ -301,6 +306,22 @@ def rotary_native(qkv, cos, sin):
               jax.ShapeDtypeStruct((tokens, kv_heads, dim), jnp.float32),
               jax.ShapeDtypeStruct((tokens, kv_heads, dim), jnp.float32))
     return tuple(jax.ffi.ffi_call(ROTARY_TARGET_NAME, shapes)(qkv, cos, sin))
+
+
+def sampling_thresholds_native(logits, top_k, top_p):
+    """Per row of float32 ``logits`` [S, V], the smallest logit that top-k (``top_k`` [S] int32, 0
+    off) and top-p (``top_p`` [S] float32, 1 off) keep, -inf where neither is on: the thresholds of
+    ``runner.sampler``'s ``_exact_thresholds``, from a histogram and one bin's sort per row rather
+    than XLA's TopK and bisections (see ``cpu/sampling_thresholds.cc``)."""
+    _require()
+    rows = logits.shape[0]
+    if (logits.ndim != 2 or logits.dtype != jnp.float32 or top_k.shape != (rows,) or top_k.dtype != jnp.int32
+            or top_p.shape != (rows,) or top_p.dtype != jnp.float32):
+        raise ValueError(f"the native sampling thresholds take logits float32 [S, V], top_k int32 [S] and top_p "
+                         f"float32 [S]; got logits {logits.dtype}{list(logits.shape)}, top_k "
+                         f"{top_k.dtype}{list(top_k.shape)}, top_p {top_p.dtype}{list(top_p.shape)}")
+    call = jax.ffi.ffi_call(THRESHOLDS_TARGET_NAME, jax.ShapeDtypeStruct((rows,), jnp.float32))
+    return call(logits, top_k, top_p)
 
 
 def cpu_features() -> list[str]:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrunner.kernels import native as native_kernels
 from jaxrunner.runner import sampler
 from jaxrunner.runner.step_batch import SamplingMetadata
 
@@ -36,10 +38,21 @@ def numpy_keep_mask(logits, top_k, top_p, min_p):
     return keep
 
 
+def _skip_without_native(native: bool):
+    if native and not native_kernels.available():
+        pytest.skip(f"native CPU kernels unavailable: {native_kernels.unavailable_reason()}")
+
+
+def _filter(native: bool):
+    return jax.jit(functools.partial(sampler._filter_top_k_top_p_min_p, native_thresholds=native))
+
+
 # peaked (the best candidates decide) and flat (the bisections over the whole vocabulary); top-k
 # within the candidates and wider than them (300, 1000 > FILTER_CANDIDATES), alone and under top-p
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
 @pytest.mark.parametrize("scale,vocab", [(8.0, 1000), (0.3, 1000), (0.3, 49152)])
-def test_filters_match_numpy(scale, vocab):
+def test_filters_match_numpy(scale, vocab, native):
+    _skip_without_native(native)
     rng = np.random.default_rng(0)
     rows = 16
     logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
@@ -49,26 +62,44 @@ def test_filters_match_numpy(scale, vocab):
     top_p[:4] = [1.0, 1.0, 0.9, 0.95]
     min_p = rng.choice([0.0, 0.05, 0.3], rows).astype(np.float32)
     min_p[:4] = 0.0
-    filtered = np.asarray(jax.jit(sampler._filter_top_k_top_p_min_p)(logits, top_k, top_p, min_p))
+    filtered = np.asarray(_filter(native)(logits, top_k, top_p, min_p))
     ours = np.isfinite(filtered)
     expected = numpy_keep_mask(logits, top_k, top_p, min_p)
     # ties at a threshold may keep one more token; none in continuous random logits
     np.testing.assert_array_equal(ours, expected)
 
 
-def test_filter_keeps_ties_at_the_threshold():
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_filter_keeps_ties_at_the_threshold(native):
     """Logits in few distinct values, as after rounding to bf16: every token tied with the last
     one a sort would keep stays, and a top-k cut through a tie keeps the whole tie."""
+    _skip_without_native(native)
     rng = np.random.default_rng(1)
     logits = rng.integers(0, 6, (3, 2000)).astype(np.float32) * 0.25
     top_k = np.array([0, 700, 0], np.int32)
     top_p = np.array([0.6, 1.0, 0.9], np.float32)
     min_p = np.zeros(3, np.float32)
-    ours = np.isfinite(np.asarray(jax.jit(sampler._filter_top_k_top_p_min_p)(logits, top_k, top_p, min_p)))
+    ours = np.isfinite(np.asarray(_filter(native)(logits, top_k, top_p, min_p)))
     expected = numpy_keep_mask(logits, top_k, top_p, min_p)
     for r in range(3):
         kept_values = np.unique(logits[r][expected[r]])
         np.testing.assert_array_equal(ours[r], logits[r] >= kept_values.min())
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_filter_over_banned_tokens(native):
+    """-inf logits (banned, masked) carry no mass and are never kept, also when top-k reaches
+    past the finite ones."""
+    _skip_without_native(native)
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 3000)).astype(np.float32)
+    logits[:, ::2] = -np.inf
+    logits[3, 5:] = -np.inf  # three finite tokens
+    top_k = np.array([0, 2000, 40, 10], np.int32)
+    top_p = np.array([0.9, 0.95, 1.0, 0.99], np.float32)
+    min_p = np.zeros(4, np.float32)
+    ours = np.isfinite(np.asarray(_filter(native)(logits, top_k, top_p, min_p)))
+    np.testing.assert_array_equal(ours, numpy_keep_mask(logits, top_k, top_p, min_p) & np.isfinite(logits))
 
 
 def test_a_row_the_candidates_decide_ignores_its_batch():

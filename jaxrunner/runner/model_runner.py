@@ -32,7 +32,8 @@ from jaxrunner.runner import cache_events, sampler
 from jaxrunner.runner.step_batch import StepBatch
 
 
-def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attention, max_loras: int = 0):
+def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attention, max_loras: int = 0,
+               native_thresholds: bool = False):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
     ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (a family
@@ -64,7 +65,7 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     hidden, kv_cache, every_row = _forward(architecture, params, token_ids, batch.positions, kv_cache,
                                            batch.attention, attention, rows, wants_prompt_logprobs)
     logits = architecture.compute_logits(params, hidden)
-    sampled = sampler.sample(logits, sampling)
+    sampled = sampler.sample(logits, sampling, native_thresholds=native_thresholds)
     logits_of = functools.partial(architecture.compute_logits, params)
     sampled.update(jax.lax.cond(wants_prompt_logprobs,
                                 lambda h: sampler.prompt_logprobs(logits_of, h, targets),
@@ -102,7 +103,8 @@ def flat_params_step(param_leaves, kv_cache, batch, feed, *, param_tree, **optio
     return model_step(jax.tree.unflatten(param_tree, param_leaves), kv_cache, batch, feed, **options)
 
 
-def jitted_step(architecture, attention, param_tree, shardings=None, max_loras: int = 0):
+def jitted_step(architecture, attention, param_tree, shardings=None, max_loras: int = 0,
+                native_thresholds: bool = False):
     """``flat_params_step`` jitted with the cache donated (and, on a mesh, the declared ``(param
     leaves, cache, replicated)`` shardings), one per distinct argument set, shared by the runners
     alive in the process.
@@ -112,22 +114,22 @@ def jitted_step(architecture, attention, param_tree, shardings=None, max_loras: 
     reuses them all and compiles nothing while the first is alive; once every runner holding the
     function is gone, so are its executables. Arguments that cannot be hashed (a user's
     architecture object) get a function of their own."""
-    key = (architecture, attention, param_tree, max_loras,
+    key = (architecture, attention, param_tree, max_loras, native_thresholds,
            None if shardings is None else jax.tree.flatten(shardings, is_leaf=lambda x: x is None))
     try:
         hash(key)
     except TypeError:
-        return _jit_step(architecture, attention, param_tree, shardings, max_loras)
+        return _jit_step(architecture, attention, param_tree, shardings, max_loras, native_thresholds)
     step = _SHARED_STEPS.get(key)
     if step is None:
-        step = _jit_step(architecture, attention, param_tree, shardings, max_loras)
+        step = _jit_step(architecture, attention, param_tree, shardings, max_loras, native_thresholds)
         _SHARED_STEPS[key] = step
     return step
 
 
-def _jit_step(architecture, attention, param_tree, shardings, max_loras: int):
+def _jit_step(architecture, attention, param_tree, shardings, max_loras: int, native_thresholds: bool):
     step = functools.partial(flat_params_step, param_tree=param_tree, architecture=architecture,
-                             attention=attention, max_loras=max_loras)
+                             attention=attention, max_loras=max_loras, native_thresholds=native_thresholds)
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
     params, cache, replicated = shardings
@@ -228,7 +230,9 @@ class ModelRunner:
         self._param_tree = None  # the step's params tree: set by the first params
         self.params = self._for_step(jax.device_put(params, param_shardings))  # put: a no-op when in place
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost compile time
-            self._jitted_step = jitted_step(architecture, attention, self._param_tree, max_loras=max_loras)
+            # the sampler's top-k/top-p thresholds in the native kernel where the element-wise steps are
+            self._jitted_step = jitted_step(architecture, attention, self._param_tree, max_loras=max_loras,
+                                            native_thresholds=self.matmuls.elementwise == "native")
         else:
             step_shardings = param_shardings if lora_spec is None else lora.attach(param_shardings, slot_shardings)
             leaf_shardings = tuple(self._param_tree.flatten_up_to(step_shardings))

@@ -33,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrunner import kernels
 from jaxrunner.executor_protocol import NO_LOGPROBS, NO_TOKEN
 from jaxrunner.runner.step_batch import MAX_LOGPROBS, DraftRows, SamplingMetadata
 
@@ -136,27 +137,38 @@ def _exact_thresholds(logits, log_normalizer, top_k, top_p):
     return jnp.maximum(jnp.where(k_on, kth, -jnp.inf), jnp.where(p_on, nucleus, -jnp.inf))
 
 
-def _filter_top_k_top_p_min_p(logits, top_k, top_p, min_p):
+def _filter_top_k_top_p_min_p(logits, top_k, top_p, min_p, native_thresholds: bool = False):
     """Mask logits outside each row's top-k / nucleus / min-p set with -inf (vLLM semantics).
 
-    The best ``FILTER_CANDIDATES`` logits decide most rows (a peaked nucleus, top-k within them).
-    Only when some row is not decided by them (a flat distribution's nucleus, a wider top-k) do
-    the bisections of ``_exact_thresholds`` run over the whole vocabulary; a row the candidates
-    decide keeps their threshold either way, so its tokens do not depend on the rest of the batch.
+    The top-k/top-p thresholds come from ``kernels.sampling_thresholds_native`` with
+    ``native_thresholds`` (XLA:CPU with the native kernels built: those of ``_exact_thresholds``,
+    several times faster than XLA's TopK alone), else from ``_xla_thresholds``.
     """
-    vocab = logits.shape[-1]
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-    candidates = jax.lax.top_k(logits, min(FILTER_CANDIDATES, vocab))[0]
-    threshold, decided = _thresholds(candidates, log_normalizer, top_k, top_p)
-    threshold = jax.lax.cond(  # operands passed explicitly: the closure form measured 30x slower
-        jnp.all(decided), lambda full, known, done: known,
-        lambda full, known, done: jnp.where(done, known, _exact_thresholds(full, log_normalizer, top_k, top_p)),
-        logits, threshold, decided)
-    # keep p >= min_p * p_max. (max via jnp.max: reading candidates[:, 0] here made XLA:CPU turn the
-    # TopK custom call into a full sort, 30x slower.)
+    if native_thresholds:
+        threshold = kernels.sampling_thresholds_native(logits.astype(jnp.float32), top_k.astype(jnp.int32),
+                                                       top_p.astype(jnp.float32))
+    else:
+        threshold = _xla_thresholds(logits, top_k, top_p)
+    # keep p >= min_p * p_max. (max via jnp.max, not the TopK's first value: reading that made
+    # XLA:CPU turn the TopK custom call into a full sort, 30x slower.)
     min_p_value = jnp.max(logits, axis=-1) + jnp.log(jnp.maximum(min_p, 1e-30))
     threshold = jnp.where(min_p > 0, jnp.maximum(threshold, min_p_value), threshold)
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
+
+
+def _xla_thresholds(logits, top_k, top_p):
+    """The top-k/top-p thresholds in XLA. The best ``FILTER_CANDIDATES`` logits decide most rows
+    (a peaked nucleus, top-k within them). Only when some row is not decided by them (a flat
+    distribution's nucleus, a wider top-k) do the bisections of ``_exact_thresholds`` run over the
+    whole vocabulary; a row the candidates decide keeps their threshold either way, so its tokens
+    do not depend on the rest of the batch."""
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    candidates = jax.lax.top_k(logits, min(FILTER_CANDIDATES, logits.shape[-1]))[0]
+    threshold, decided = _thresholds(candidates, log_normalizer, top_k, top_p)
+    return jax.lax.cond(  # operands passed explicitly: the closure form measured 30x slower
+        jnp.all(decided), lambda full, known, done: known,
+        lambda full, known, done: jnp.where(done, known, _exact_thresholds(full, log_normalizer, top_k, top_p)),
+        logits, threshold, decided)
 
 
 def _row_uniforms(seeds, seeds_high, positions, stream: int = 0):
@@ -263,7 +275,7 @@ def _add_logit_bias(logits, ids, values):
     return logits.at[_row_index(ids), jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
 
 
-def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens):
+def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens, native_thresholds: bool):
     """Temperature, top-k / top-p / min-p, then one inverse-CDF draw per row (``greedy_tokens``:
     the rows' argmax, the draw's fallback)."""
     # greedy rows take no part in filtering (their settings must not force the slow path)
@@ -275,7 +287,7 @@ def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens):
     filters = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
 
     def filtered(x):
-        return _filter_top_k_top_p_min_p(x / temperature[:, None], top_k, top_p, min_p)
+        return _filter_top_k_top_p_min_p(x / temperature[:, None], top_k, top_p, min_p, native_thresholds)
 
     if sampling.draft_tokens is None:
         # without filters the temperature goes into the draw's exponentials: no tempered copy of
@@ -355,7 +367,7 @@ def with_draft_rows(sampling: SamplingMetadata, draft_rows: DraftRows) -> Sampli
                                draft_tokens=jnp.concatenate([no_draft, draft_rows.tokens]))
 
 
-def sample(logits, sampling: SamplingMetadata):
+def sample(logits, sampling: SamplingMetadata, *, native_thresholds: bool = False):
     """Sample one token per row of ``logits`` [S, V] with the row's settings in ``sampling`` (the
     step batch's ``SamplingMetadata``, or with ``draft_tokens`` after ``with_draft_rows``).
 
@@ -363,7 +375,8 @@ def sample(logits, sampling: SamplingMetadata):
     temperature), as vLLM reports them by default. They (the sampled token's, its rank and the top
     logprobs) are computed only in batches where some row asks for logprobs, zeros otherwise: the
     normalizer alone, a max and a sum of exponentials over the vocabulary, took about 6 % of a
-    64-row SmolLM2 decode step (profiled).
+    64-row SmolLM2 decode step (profiled). ``native_thresholds``: top-k/top-p thresholds in the
+    native CPU kernel (``_filter_top_k_top_p_min_p``).
     """
     raw = logits
     is_sampled = sampling.temperature > 0.0
@@ -371,7 +384,8 @@ def sample(logits, sampling: SamplingMetadata):
     def processed_tokens(x):
         x = _process_logits(x, sampling)
         greedy_tokens = first_argmax(x)
-        drawn = jax.lax.cond(jnp.any(is_sampled), lambda y: _draw(y, sampling, is_sampled, greedy_tokens),
+        drawn = jax.lax.cond(jnp.any(is_sampled),
+                             lambda y: _draw(y, sampling, is_sampled, greedy_tokens, native_thresholds),
                              lambda y: greedy_tokens, x)
         return jnp.where(is_sampled, drawn, greedy_tokens)
 
