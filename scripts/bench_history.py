@@ -76,7 +76,10 @@ def _config_workload(doc: dict) -> str:
     config = doc.get("config") or {}
     keys = ("num_requests", "input_len", "output_len") if doc.get("benchmark") != "startup" else ("input_len",
                                                                                                   "output_len")
-    return " ".join(f"{k}={config[k]}" for k in keys if config.get(k) is not None)
+    parts = [f"{k}={config[k]}" for k in keys if config.get(k) is not None]
+    if config.get("dataset") not in (None, "random"):  # prompts other than random token ids
+        parts.insert(0, f"dataset={config['dataset']}")
+    return " ".join(parts)
 
 
 def _labelled(doc: dict, workload: str) -> str:
