@@ -102,6 +102,22 @@ def test_filter_over_banned_tokens(native):
     np.testing.assert_array_equal(ours, numpy_keep_mask(logits, top_k, top_p, min_p) & np.isfinite(logits))
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_filter_edges(native):
+    """A vocabulary narrower than a vector, top-k 1, a tiny top-p, one finite token, all tied."""
+    _skip_without_native(native)
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((5, 7)).astype(np.float32) * 2
+    logits[3, 1:] = -np.inf
+    logits[4] = 0.5
+    top_k = np.array([1, 0, 3, 0, 2], np.int32)
+    top_p = np.array([1.0, 1e-6, 0.5, 0.3, 0.5], np.float32)
+    min_p = np.zeros(5, np.float32)
+    ours = np.isfinite(np.asarray(_filter(native)(logits, top_k, top_p, min_p)))
+    np.testing.assert_array_equal(ours[:4], numpy_keep_mask(logits, top_k, top_p, min_p)[:4] & np.isfinite(logits[:4]))
+    assert ours[4].all()  # a cut through a tie keeps the whole tie
+
+
 def test_a_row_the_candidates_decide_ignores_its_batch():
     """A peaked row keeps the same tokens whether or not a flat batch-mate sends the step down the
     bisection path."""
