@@ -35,7 +35,6 @@ struct Scratch {
   std::vector<float> values, weights;  // the row's set (all of it, or its top-k set) and weights
   std::vector<int32_t> bins;           // each value's bin
   std::vector<double> bin_weight;
-  std::vector<int64_t> bin_count;
   std::vector<std::pair<float, float>> chosen;  // (value, weight) of the bin the target falls in
 };
 
@@ -53,20 +52,19 @@ float SmallestBelowTarget(const float* values, const float* weights, int64_t n, 
     bins[i] = int32_t(f < last ? f : last);
   }
   sc.bin_weight.assign(kBins, 0.0);
-  sc.bin_count.assign(kBins, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    sc.bin_weight[bins[i]] += weights ? weights[i] : 1.0f;
-    ++sc.bin_count[bins[i]];
-  }
+  double* bin_weight = sc.bin_weight.data();
+  if (weights)
+    for (int64_t i = 0; i < n; ++i) bin_weight[bins[i]] += weights[i];
+  else
+    for (int64_t i = 0; i < n; ++i) bin_weight[bins[i]] += 1.0;
   double above = 0.0;
   int64_t bin = -1;
-  for (int64_t b = kBins - 1; b >= 0; --b) {
-    if (sc.bin_count[b] == 0) continue;
-    if (above + sc.bin_weight[b] >= target) {
+  for (int64_t b = kBins - 1; b >= 0; --b) {  // (a bin of no weight never holds the crossing)
+    if (bin_weight[b] > 0.0 && above + bin_weight[b] >= target) {
       bin = b;
       break;
     }
-    above += sc.bin_weight[b];
+    above += bin_weight[b];
   }
   sc.chosen.clear();
   for (int64_t i = 0; i < n; ++i)
@@ -84,26 +82,37 @@ float SmallestBelowTarget(const float* values, const float* weights, int64_t n, 
   return v;
 }
 
-// Largest value and smallest finite one of x[0, n) (NaN passed over); lowest = highest = -inf when
-// nothing is finite.
-void Extremes(const float* x, int64_t n, float* lowest, float* highest) {
-  float lo = kInf, hi = -kInf;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    hi = v > hi ? v : hi;
-    lo = (v < lo && v > -kInf) ? v : lo;
+// values[i] = x[i], NaN read as -inf; the largest value and the smallest finite one (lowest =
+// highest = -inf when nothing is finite), kLanes running extremes at a time: one chain of scalar
+// maxima waits on each comparison.
+void LoadRow(const float* x, int64_t n, float* values, float* lowest, float* highest) {
+  float lo[kLanes], hi[kLanes];
+  for (int l = 0; l < kLanes; ++l) lo[l] = kInf, hi[l] = -kInf;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = x[i + l] == x[i + l] ? x[i + l] : -kInf;
+      values[i + l] = v;
+      hi[l] = v > hi[l] ? v : hi[l];
+      lo[l] = (v < lo[l] && v > -kInf) ? v : lo[l];
+    }
+  for (; i < n; ++i) {
+    const float v = x[i] == x[i] ? x[i] : -kInf;
+    values[i] = v;
+    hi[0] = v > hi[0] ? v : hi[0];
+    lo[0] = (v < lo[0] && v > -kInf) ? v : lo[0];
   }
-  *highest = hi;
-  *lowest = lo == kInf ? -kInf : lo;
+  *highest = *std::max_element(hi, hi + kLanes);
+  const float smallest = *std::min_element(lo, lo + kLanes);
+  *lowest = smallest == kInf ? -kInf : smallest;
 }
 
 float RowThreshold(const float* row, int64_t vocab, int32_t top_k, float top_p, Scratch& sc) {
   const bool k_on = top_k > 0 && top_k < vocab, p_on = top_p < 1.0f;
   if (!k_on && !p_on) return -kInf;
   sc.values.resize(vocab);
-  for (int64_t i = 0; i < vocab; ++i) sc.values[i] = std::isnan(row[i]) ? -kInf : row[i];
   float lowest, highest;
-  Extremes(sc.values.data(), vocab, &lowest, &highest);
+  LoadRow(row, vocab, sc.values.data(), &lowest, &highest);
   float kth = -kInf;
   int64_t n = vocab;
   if (k_on) {
