@@ -17,7 +17,7 @@ from jaxrunner.models.loading import precision
 TESTS = Path(__file__).parent
 # The kernels' own tests against their oracles; oneDNN's products are not the native kernels'.
 KERNEL_TESTS = ("test_quant_matmul.py", "test_quant_panels.py", "test_small_matmul.py",
-                "test_elementwise_kernels.py", "test_kernels.py")
+                "test_elementwise_kernels.py", "test_kernels.py", "test_sampler.py")
 SELECTION = "not onednn and (native or not test_kernels)"
 # and, for an AVX2 CPU, the engine on the weight-only routes its products take only there (the int8
 # panel GEMM of w4a8, float32 panels, XLA's dot on unpacked weights from 512 rows): tokens agree

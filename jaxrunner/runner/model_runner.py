@@ -48,6 +48,9 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     Speculative decoding: a batch with ``draft_rows`` also samples those rows (after the
     sequences' own rows), each verifying one proposed token (``sampler.with_draft_rows``).
 
+    ``native_thresholds``: the sampler's top-k/top-p thresholds in the native CPU kernel (the
+    runner's choice where the element-wise native kernels run).
+
     LoRA: ``params`` carry ``max_loras`` adapter slots (``models.lora.attach``) and each token row
     names its slot in ``batch.lora_slots``.
     """
