@@ -159,6 +159,21 @@ def test_greedy_logprobs_and_top_logprobs():
     np.testing.assert_allclose(out["top_logprobs"][:, :5], np.sort(expected, axis=-1)[:, ::-1][:, :5], atol=1e-5)
 
 
+def test_the_sampled_tokens_logprob_alone_skips_the_top_logprobs():
+    """logprobs=0 (the sampled token's logprob and rank, as RL rollouts take them) gives the same
+    figures whether or not a batch-mate asks for top logprobs; the top ones stay zeros without one."""
+    logits = jax.random.normal(jax.random.key(2), (4, 300)) * 3
+    alone = jax.jit(sampler.sample)(logits, _sampling(4, num_logprobs=0))
+    mixed_params = _sampling(4, num_logprobs=0)
+    mixed_params.num_logprobs[1] = 5
+    mixed = jax.jit(sampler.sample)(logits, mixed_params)
+    expected = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(alone["logprobs"], np.max(expected, axis=-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(alone["ranks"], 1)
+    np.testing.assert_array_equal(alone["logprobs"], mixed["logprobs"])
+    assert not np.asarray(alone["top_logprobs"]).any() and np.asarray(mixed["top_logprobs"])[1, :5].all()
+
+
 def test_penalties_match_vllm_semantics():
     logits = np.array([[2.0, -1.0, 0.5, 1.0]], np.float32)
     history = np.full((1, 16), -1, np.int32)

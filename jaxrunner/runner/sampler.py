@@ -396,16 +396,22 @@ def sample(logits, sampling: SamplingMetadata, *, native_thresholds: bool = Fals
     processing = functools.reduce(jnp.logical_or, [used for used, _ in _processing_steps(sampling)])
     tokens = jax.lax.cond(processing | jnp.any(is_sampled), processed_tokens, first_argmax, logits)
 
-    def logprob_details(x):
+    rows = raw.shape[0]
+    no_top = (jnp.zeros((rows, MAX_LOGPROBS), jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
+    empty = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32)) + no_top
+
+    def logprob_details(x, with_top: bool):
         log_normalizer = jax.nn.logsumexp(x, axis=-1)
         token_logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - log_normalizer
-        return (token_logprobs, _ranks(x, tokens)) + _top_logprobs(x, log_normalizer)
+        return (token_logprobs, _ranks(x, tokens)) + (_top_logprobs(x, log_normalizer) if with_top else no_top)
 
-    rows = raw.shape[0]
-    empty = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
-             jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
-    token_logprobs, ranks, top_values, top_ids = jax.lax.cond(jnp.any(sampling.num_logprobs >= 0), logprob_details,
-                                                              lambda x: empty, raw)
+    # one switch, not nested conds (a second cond around the TopK cost a copy of the logits): the
+    # top logprobs' TopK over the vocabulary runs only where a row asks for some, not for the
+    # sampled token's own logprob alone (logprobs=0, what RL rollouts take)
+    wanted = jnp.where(jnp.any(sampling.num_logprobs > 0), 2, jnp.where(jnp.any(sampling.num_logprobs >= 0), 1, 0))
+    token_logprobs, ranks, top_values, top_ids = jax.lax.switch(
+        wanted, [lambda x: empty, functools.partial(logprob_details, with_top=False),
+                 functools.partial(logprob_details, with_top=True)], raw)
     return {"tokens": tokens, "logprobs": token_logprobs, "ranks": ranks, "top_ids": top_ids,
             "top_logprobs": top_values}
 
