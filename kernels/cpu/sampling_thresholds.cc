@@ -88,20 +88,16 @@ float SmallestBelowTarget(const float* values, const float* weights, int64_t n, 
 void LoadRow(const float* x, int64_t n, float* values, float* lowest, float* highest) {
   float lo[kLanes], hi[kLanes];
   for (int l = 0; l < kLanes; ++l) lo[l] = kInf, hi[l] = -kInf;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float v = x[i + l] == x[i + l] ? x[i + l] : -kInf;
-      values[i + l] = v;
-      hi[l] = v > hi[l] ? v : hi[l];
-      lo[l] = (v < lo[l] && v > -kInf) ? v : lo[l];
-    }
-  for (; i < n; ++i) {
+  auto take = [&](int64_t i, int l) {
     const float v = x[i] == x[i] ? x[i] : -kInf;
     values[i] = v;
-    hi[0] = v > hi[0] ? v : hi[0];
-    lo[0] = (v < lo[0] && v > -kInf) ? v : lo[0];
-  }
+    hi[l] = v > hi[l] ? v : hi[l];
+    lo[l] = (v < lo[l] && v > -kInf) ? v : lo[l];
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) take(i + l, l);
+  for (; i < n; ++i) take(i, 0);
   *highest = *std::max_element(hi, hi + kLanes);
   const float smallest = *std::min_element(lo, lo + kLanes);
   *lowest = smallest == kInf ? -kInf : smallest;
