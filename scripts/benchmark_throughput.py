@@ -10,7 +10,8 @@
 
 Every request ignores EOS, so each produces exactly its output length and both engines do the
 same work. Requests are greedy unless ``--temperature`` (with ``--top-p``, ``--top-k``) samples
-them, with the same settings for every engine; the result file is then named ``...-sampled-...``. jaxrunner's figure excludes start-up (load + compile + warm-up, reported
+them, with the same settings for every engine; the result file is then named ``...-sampled-...``.
+jaxrunner's figure excludes start-up (load + compile + warm-up, reported
 separately); transformers' excludes model loading and runs in its own process (JAX's CPU threads
 slow torch down when they share one). Tokens counted are the requested ones (prompt
 + output); transformers' padding is its own cost. vLLM (``--compare vllm``) serves the same token
