@@ -46,6 +46,8 @@ else:
         "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",
         "onednn_quant_matmul": "onednn", "onednn_panel_matmul": "onednn",
         "OnednnPackedWeight": "onednn",
+        "W8a8TileWeight": "w8a8_tiles", "to_w8a8_tiles": "w8a8_tiles", "from_w8a8_tiles": "w8a8_tiles",
+        "fits_w8a8_tiles": "w8a8_tiles", "w8a8_tile_matmul": "w8a8_tiles",
     }
     __all__ = ["ATTENTION_IMPLS", "ATTENTION_IMPL_CHOICES", "CPU_MATMUL_CHOICES", *_PUBLIC]
 

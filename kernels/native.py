@@ -1,5 +1,6 @@
 """The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row
-matmuls, the gated MLP's SiLU product, RoPE, the sampler's top-k/top-p thresholds): built on first use into one library, called through XLA's FFI.
+matmuls, "w8a8" products on AMX-INT8, the gated MLP's SiLU product, RoPE, the sampler's
+top-k/top-p thresholds): built on first use into one library, called through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
 ``-march=native`` for the machine it runs on (AVX-512 where there is one; ``cpu_isa.py`` says how
@@ -36,7 +37,7 @@ logger = logging.getLogger("jaxrunner")
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
            CPU_DIR / "quant_panels.cc", CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc",
-           CPU_DIR / "sampling_thresholds.cc")
+           CPU_DIR / "sampling_thresholds.cc", CPU_DIR / "w8a8_matmul.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "fp8.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
            CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
@@ -59,6 +60,8 @@ ROTARY_TARGET_NAME = "jaxrunner_cpu_rotary"
 ROTARY_SYMBOL = "JaxrunnerCpuRotary"
 THRESHOLDS_TARGET_NAME = "jaxrunner_cpu_sampling_thresholds"
 THRESHOLDS_SYMBOL = "JaxrunnerCpuSamplingThresholds"
+W8A8_MATMUL_TARGET_NAME = "jaxrunner_cpu_w8a8_matmul"
+W8A8_MATMUL_SYMBOL = "JaxrunnerCpuW8a8Matmul"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
 # for bf16 batch-1 TPOT (medians of alternating runs: 2 -> 15.0-17.0 ms, 1 -> 15.7-16.5, 3 -> 17.3-18.2,
 # 4 -> 16.3-17.6, 8 -> 19.1-20.6): each item costs a hand-off to another thread, and the weights
@@ -154,6 +157,8 @@ def _load() -> ctypes.CDLL:
                                 platform="cpu")
     jax.ffi.register_ffi_target(THRESHOLDS_TARGET_NAME, jax.ffi.pycapsule(getattr(library, THRESHOLDS_SYMBOL)),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(W8A8_MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, W8A8_MATMUL_SYMBOL)),
+                                platform="cpu")
     return library
 
 
@@ -192,6 +197,13 @@ def stored_panels() -> bool:
     sixteen outputs (``cpu/quant_panels.cc``: AVX512-VNNI), as the library itself reports."""
     library = _loaded()[0]
     return library is not None and bool(library.JaxrunnerCpuStoredPanels())
+
+
+def w8a8_matmul_ready() -> bool:
+    """Whether the build for this CPU runs ``"w8a8"`` products on AMX-INT8 tiles
+    (``cpu/w8a8_matmul.cc``) and the OS grants AMX to this process, as the library itself reports."""
+    library = _loaded()[0]
+    return library is not None and bool(library.JaxrunnerCpuW8a8MatmulReady())
 
 
 def available() -> bool:

@@ -116,6 +116,10 @@ class MatmulKernels:
       (:func:`panel_matmul`), and from oneDNN's rows on, for a dtype in ``onednn_weight_only``,
       oneDNN's, each tile unpacked from the panels (:func:`onednn_panel_matmul`). Set where the
       native kernel takes every row count that oneDNN does not; empty: none.
+    * ``w8a8_tiles``: ``"w8a8"`` layer weights are laid out once, at start-up, as AMX-INT8 tiles
+      (``kernels.w8a8_tiles``), and each of their products, of every row count, is one call of the
+      native kernel (:func:`w8a8_tile_matmul`: x rounded to int8, the int8 product and the scales
+      in one pass). Set where the native build has AMX-INT8 and the OS grants it.
 
     Frozen and hashable: it is part of the jitted step's static arguments.
     """
@@ -133,6 +137,7 @@ class MatmulKernels:
     weight_only_gemm: bool = False
     dequantize_min_rows: int = 0
     weight_only_panels: tuple[str, ...] = ()
+    w8a8_tiles: bool = False
 
     def __post_init__(self):
         if self.weight_only_activations not in WEIGHT_ONLY_ACTIVATIONS:
@@ -156,6 +161,8 @@ class MatmulKernels:
         if not isinstance(self.onednn_min_weight_bytes, int) or self.onednn_min_weight_bytes < 0:
             raise ValueError(f"MatmulKernels.onednn_min_weight_bytes: expected an integer >= 0, "
                              f"got {self.onednn_min_weight_bytes!r}")
+        if not isinstance(self.w8a8_tiles, bool):
+            raise ValueError(f"MatmulKernels.w8a8_tiles: expected True or False, got {self.w8a8_tiles!r}")
         if not isinstance(self.weight_only_gemm, bool):
             raise ValueError(f"MatmulKernels.weight_only_gemm: expected True or False, got {self.weight_only_gemm!r}")
         if not isinstance(self.dequantize_min_rows, int) or self.dequantize_min_rows < 0:
@@ -261,11 +268,12 @@ def _matmuls(platform: str, device_count: int, native_cpu: str | None) -> Matmul
     dequantize_min_rows = _dequantize_float_rows() if gemm else 0
     # panels where the native kernel takes every row count oneDNN does not: not beside XLA's dot
     panels = gemm and not dequantize_min_rows and native.stored_panels()
+    w8a8_tiles = kernel == NATIVE and native.w8a8_matmul_ready()
     return MatmulKernels(one_row=kernel, weight_only=kernel, min_16bit_rows=CPU_MIN_16BIT_ROWS,
                          onednn_dtypes=onednn[0], onednn_min_weight_bytes=onednn[1], onednn_weight_only=onednn[2],
                          xla_weights_nk=nk_dtypes, xla_weights_nk_min_inputs=nk_min_inputs, elementwise=kernel,
                          weight_only_gemm=gemm, dequantize_min_rows=dequantize_min_rows,
-                         weight_only_panels=("float32", "bfloat16") if panels else ())
+                         weight_only_panels=("float32", "bfloat16") if panels else (), w8a8_tiles=w8a8_tiles)
 
 
 def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
@@ -316,7 +324,8 @@ def choose_matmuls(cpu_matmul: str = "auto", platform: str | None = None) -> tup
         return chosen, f"{caps.platform}: XLA's dot"
     if cpu_matmul == XLA:
         return dataclasses.replace(chosen, onednn_dtypes=(), onednn_weight_only=(), xla_weights_nk=(),
-                                   weight_only_gemm=False, dequantize_min_rows=0, weight_only_panels=()), "asked for"
+                                   weight_only_gemm=False, dequantize_min_rows=0, weight_only_panels=(),
+                                   w8a8_tiles=False), "asked for"
     if cpu_matmul == ONEDNN:
         why = onednn_unavailable()
         if why is not None:

@@ -41,7 +41,10 @@ def test_capabilities_answer_on_this_cpu_machine():
                                                      xla_weights_nk_min_inputs=caps.matmuls.xla_weights_nk_min_inputs,
                                                      elementwise="native", weight_only_gemm=native.panel_gemm(),
                                                      dequantize_min_rows=caps.matmuls.dequantize_min_rows,
-                                                     weight_only_panels=caps.matmuls.weight_only_panels)
+                                                     weight_only_panels=caps.matmuls.weight_only_panels,
+                                                     w8a8_tiles=native.w8a8_matmul_ready())
+        # AMX-INT8 tiles for "w8a8" weights exactly where the build has them and the OS grants AMX
+        assert caps.matmuls.w8a8_tiles == ("amx_int8" in native.cpu_features() and native.w8a8_matmul_ready())
         # panels where the native kernel takes every row count oneDNN does not (oneDNN reads them too)
         every_row = native.stored_panels() and not caps.matmuls.dequantize_min_rows
         assert caps.matmuls.weight_only_panels == (("float32", "bfloat16") if every_row else ())

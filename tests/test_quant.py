@@ -118,6 +118,11 @@ def test_quantized_engine_agrees_with_float_and_never_compiles_while_serving(
     assert isinstance(step_leaf, kernels.PanelWeight) == panels
     if panels:
         np.testing.assert_array_equal(kernels.to_panels(layer["w_down"]).codes, step_leaf.codes)
+    # "w8a8" weights as AMX-INT8 tiles where the native build has them (a CPU with AMX)
+    tiles = quantization == "w8a8" and matmuls.w8a8_tiles
+    assert isinstance(step_leaf, kernels.W8a8TileWeight) == tiles
+    if tiles:
+        np.testing.assert_array_equal(kernels.from_w8a8_tiles(step_leaf)["q"], layer["w_down"]["q"])
     with count_compilations() as compiles:
         got = _greedy(llm, prompts)
         _greedy(llm, prompts[:1])  # a one-sequence decode: the native kernel's few-row path

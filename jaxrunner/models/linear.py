@@ -50,6 +50,9 @@ def linear_f32(x: jax.Array, w, matmuls: kernels.MatmulKernels) -> jax.Array:
         return weight_only_matmul(x, w, matmuls)
     if isinstance(w, kernels.PanelWeight):  # laid out at start-up (models.packed_weights)
         return panel_weight_matmul(x, w, matmuls)
+    if isinstance(w, kernels.W8a8TileWeight):  # laid out at start-up: the whole product in one native call
+        rows = kernels.w8a8_tile_matmul(x.reshape(-1, x.shape[-1]), w, quant.MIN_ACTIVATION_SCALE)
+        return rows.reshape(*x.shape[:-1], w.n).astype(jnp.float32)
     if isinstance(w, dict):
         return w8a8_matmul(x, w).astype(jnp.float32)
     return matmul_f32_acc(x, w, matmuls)

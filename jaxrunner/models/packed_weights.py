@@ -18,6 +18,10 @@ out as panels of sixteen outputs instead (``kernels.PanelWeight``), which every 
 place: the native kernel's, and oneDNN's where it takes the rows (``models.linear``); the
 embedding's token lookup reads its rows out of them (``models/layers.py``).
 
+Where ``kernels.MatmulKernels.w8a8_tiles`` is set (a CPU with AMX-INT8), the ``"w8a8"`` layer
+weights are laid out as AMX-INT8 tiles (``kernels.W8a8TileWeight``), whose products the native
+kernel runs whole: the rounding of x to int8, the int8 product and the scales in one call.
+
 The packed tree is what the jitted step reads; users see the plain one (:func:`unpack`,
 :func:`plain_like`), bit for bit what was packed.
 """
@@ -61,12 +65,15 @@ def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) 
     """``params`` with the layer ``leaves`` and an untied output head packed where ``matmuls``
     packs their dtype and size, and the other float ones transposed where it names their dtype and
     they have enough inputs; where it lays weight-only ones out as panels for the model's dtype, those
-    of the layers and a tied quantized embedding so; the same tree when it changes nothing."""
+    of the layers and a tied quantized embedding so; ``"w8a8"`` ones as AMX-INT8 tiles where it
+    says so; the same tree when it changes nothing."""
     panels = _activation_dtype(params) in matmuls.weight_only_panels
-    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk and not panels:
+    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk and not panels and not matmuls.w8a8_tiles:
         return params
 
     def laid_out(w):
+        if matmuls.w8a8_tiles and kernels.fits_w8a8_tiles(w):
+            return kernels.to_w8a8_tiles(w)
         if quant.is_weight_only(w):
             return kernels.to_panels(w) if panels and kernels.fits_panels(w) else w
         if not (isinstance(w, jax.Array) and w.ndim == 2 and jax.numpy.issubdtype(w.dtype, jax.numpy.floating)):
@@ -93,8 +100,8 @@ def _activation_dtype(params: dict) -> str | None:
 
 
 def is_packed(leaf) -> bool:
-    """Whether ``leaf`` is laid out for the step (packed for oneDNN, transposed, or as panels)."""
-    return isinstance(leaf, (kernels.OnednnPackedWeight, TransposedWeight, kernels.PanelWeight))
+    """Whether ``leaf`` is laid out for the step (packed for oneDNN, transposed, as panels or tiles)."""
+    return isinstance(leaf, (kernels.OnednnPackedWeight, TransposedWeight, kernels.PanelWeight, kernels.W8a8TileWeight))
 
 
 def unpack(params: dict) -> dict:
@@ -104,6 +111,8 @@ def unpack(params: dict) -> dict:
             return w.data.T
         if isinstance(w, kernels.PanelWeight):
             return kernels.from_panels(w)
+        if isinstance(w, kernels.W8a8TileWeight):
+            return kernels.from_w8a8_tiles(w)
         return kernels.onednn_unpack(w)
     return _map_packed(params, plain)
 
@@ -112,7 +121,7 @@ def plain_like(params: dict) -> dict:
     """The plain params' shapes, dtypes and shardings, without unpacking (packed leaves become
     ``jax.ShapeDtypeStruct``, a panel weight the plain leaf's dict of them)."""
     def like(w):
-        if isinstance(w, kernels.PanelWeight):
+        if isinstance(w, (kernels.PanelWeight, kernels.W8a8TileWeight)):
             return w.plain_like()
         return jax.ShapeDtypeStruct(w.plain_shape, w.dtype, sharding=w.data.sharding)
     return _map_packed(params, like)

@@ -94,7 +94,8 @@ def _matmul_summary(matmuls) -> str:
     """For the report: "onednn (bfloat16/float32 weights of 8+ MiB, packed; int8/int4 weights with
     bfloat16 activations)" or "xla", and where the native kernel's panel GEMMs take the weight-only
     products of every row count, "; int8/int4 weights: native panel GEMMs at every row count" (and
-    where they are laid out as panels at start-up, with which activations)."""
+    where they are laid out as panels at start-up, with which activations), and "; w8a8 weights:
+    native AMX-INT8 tiles" where those products run on AMX-INT8."""
     parts = []
     if matmuls.onednn_dtypes:
         parts.append(f"{'/'.join(matmuls.onednn_dtypes)} weights of {matmuls.onednn_min_weight_bytes >> 20}+ MiB, "
@@ -112,6 +113,8 @@ def _matmul_summary(matmuls) -> str:
             summary += f" (float32: below {matmuls.dequantize_min_rows})"
         if matmuls.weight_only_panels:
             summary += f", laid out as panels with {'/'.join(matmuls.weight_only_panels)} activations"
+    if matmuls.w8a8_tiles:
+        summary += "; w8a8 weights: native AMX-INT8 tiles"
     return summary
 
 
