@@ -139,15 +139,16 @@ def test_zero_warmup_inputs_serve_finite_w8a8_outputs(tiny_checkpoints):
     assert all(np.isfinite(o.outputs[0].cumulative_logprob) for o in out)
 
 
-def test_tied_embedding_is_quantized_and_serves(tmp_path):
-    """A tied embedding (the LM head every token reads whole) becomes int8 per row under the
-    weight-only formats: lookups dequantize their rows, the logits come from the packed table."""
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_tied_embedding_is_quantized_and_serves(tmp_path, quantization):
+    """A tied embedding (the LM head every token reads whole) becomes int8 per row, weight-only,
+    under every format: lookups dequantize their rows, the logits come from the packed table."""
     from conftest import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "tied", "llama", tied=True)
     prompts = random_prompts(4, 512, 3, 20, seed=4)
     exact = _greedy(make_llm(path), prompts)
-    llm = make_llm(path, quantization="int8")
+    llm = make_llm(path, quantization=quantization)
     runner = llm.engine.executor.runner
     assert quant.is_weight_only(runner.plain_params()["embed"])
     # laid out as panels where the layers are: the lookups then read their rows out of them
