@@ -3,9 +3,10 @@
 // half a dozen small fusions around its int8 dot (the rounding of x to int8 and its scales before,
 // the conversion and the two scales after), 240 of them in a decode step of SmolLM2.
 //
-// Semantics: those of models/linear.py's w8a8_matmul, bit for bit: per row of x (bf16 or float32,
-// read as float32), scale = max(max|x| / 127, min_scale) and q = round-half-even(x / scale) as
-// int8; acc = q . W_q exactly in int32; y = (float(acc) * scale_x) * scale_w, rounded to x's dtype.
+// Semantics: the formula of models/linear.py's w8a8_matmul, exactly in IEEE float32: per row of x
+// (bf16 or float32, read as float32), scale = max(max|x| / 127, min_scale) and q =
+// round-half-even(x / scale) as int8; acc = q . W_q exactly in int32; y = (float(acc) * scale_x) *
+// scale_w, rounded to x's dtype. (XLA's own vectorised division rounds some scales an ulp apart.)
 //
 // Layout of the weight (kernels/w8a8_tiles.py): W_q [K, N] as AMX B tiles, [N/16, K/64, 16, 16, 4]
 // int8 -- block b of 16 outputs, step s of 64 inputs; entry [b, s, i, j, e] is W_q[64s + 4i + e,
@@ -16,10 +17,11 @@
 //
 // Threads: items of kBlocksPerItem blocks. Up to 16 rows (decoding a few sequences) they are
 // shared with the native kernels' helper thread (helper_thread.h), which a step's next product
-// finds awake: SmolLM2's batch-1 TPOT 4.2 ms against 7.4 through XLA's pool. More rows go to
-// XLA's pool: beside the helper, which stays awake a while after each call, the products of a
-// 64-sequence decode step ran slower end to end than XLA's own int8 path, and through the pool
-// 1.03-1.09x faster. Each thread configures its tiles per item and releases them after it. AMX
+// finds awake (batch-1 decoding ran markedly faster so than through XLA's pool). More rows go to
+// XLA's pool: beside the helper, which stays awake a while after each call and so shares the
+// cores with XLA's threads, the products of a 64-sequence decode step ran slower end to end than
+// XLA's own int8 path, and through the pool faster (docs/performance.md, "CPU model 207"). Each
+// thread configures its tiles per item and releases them after it. AMX
 // needs the kernel's permission per process (arch_prctl), asked once; builds without AMX-INT8
 // report the kernel unavailable and the runner keeps XLA's path.
 #include <algorithm>
