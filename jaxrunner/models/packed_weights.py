@@ -68,11 +68,12 @@ def pack(params: dict, leaves: tuple[str, ...], matmuls: kernels.MatmulKernels) 
     of the layers and a tied quantized embedding so; ``"w8a8"`` ones as AMX-INT8 tiles where it
     says so; the same tree when it changes nothing."""
     panels = _activation_dtype(params) in matmuls.weight_only_panels
-    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk and not panels and not matmuls.w8a8_tiles:
+    w8a8 = matmuls.w8a8_tiles and any(kernels.fits_w8a8_tiles(w) for layer in params["layers"] for w in layer.values())
+    if not matmuls.onednn_dtypes and not matmuls.xla_weights_nk and not panels and not w8a8:
         return params
 
     def laid_out(w):
-        if matmuls.w8a8_tiles and kernels.fits_w8a8_tiles(w):
+        if w8a8 and kernels.fits_w8a8_tiles(w):
             return kernels.to_w8a8_tiles(w)
         if quant.is_weight_only(w):
             return kernels.to_panels(w) if panels and kernels.fits_panels(w) else w
