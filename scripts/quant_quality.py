@@ -14,7 +14,9 @@ Formats: ``float32``; ``bfloat16`` (every weight and the activations); ``int8`` 
 (weight-only, quantized from the float32 weights, group 32; a tied embedding int8 per row);
 ``int4-gguf`` (the GGUF file's own blocks, kept as they are); ``w4a8`` and ``w4a8-gguf``, the same
 weights with the activations of their products rounded to int8 per run of 32 inputs (the rounding
-llama.cpp applies before its 4-bit dot products); ``kv-fp8_e4m3`` and ``kv-fp8_e5m2``, float32 weights
+llama.cpp applies before its 4-bit dot products); ``w8a8``, int8 weights per output channel with
+the activations of every layer product rounded to int8 per token (a tied embedding int8 per row,
+weight-only); ``kv-fp8_e4m3`` and ``kv-fp8_e5m2``, float32 weights
 with every layer's keys and values rounded as an 8-bit float KV cache stores them
 (``kv_cache_dtype="fp8"`` / ``"fp8_e5m2"``: unscaled, saturating). From a 4-bit GGUF, "float32" is the file dequantized, so
 ``int4-gguf`` differs from it only by the order of float32 additions. Prints a JSON object, then
@@ -29,7 +31,8 @@ import sys
 
 import numpy as np
 
-FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-gguf", "w4a8", "w4a8-gguf", "kv-fp8_e4m3", "kv-fp8_e5m2")
+FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-gguf", "w4a8", "w4a8-gguf", "w8a8", "kv-fp8_e4m3",
+           "kv-fp8_e5m2")
 KV_FORMATS = {"kv-fp8_e4m3": "float8_e4m3fn", "kv-fp8_e5m2": "float8_e5m2"}  # -> the pages' dtype
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_quality.txt")
 PAD_TO = 256  # every sequence is padded to this many tokens: one compile per format
@@ -69,7 +72,7 @@ def format_params(name: str, model):
         return model.params
     if name == "bfloat16":
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params)
-    if name in ("int8", "int4", "w4a8"):
+    if name in ("int8", "int4", "w4a8", "w8a8"):
         return quant.quantize_params(model.params, name, 32)
     if name in ("int4-gguf", "w4a8-gguf"):
         if model.source.kind != "gguf":
