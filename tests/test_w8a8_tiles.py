@@ -70,3 +70,15 @@ def test_kernel_refuses_what_it_does_not_take():
         kernels.w8a8_tile_matmul(jnp.zeros((2, 32), jnp.bfloat16), leaf, 1e-12)
     with pytest.raises(ValueError, match="bf16 or float32"):
         kernels.w8a8_tile_matmul(jnp.zeros((2, 64), jnp.float16), leaf, 1e-12)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_nan_in_a_row_makes_that_row_nan_as_xla_does(dtype):
+    rng = np.random.default_rng(3)
+    leaf = _leaf(rng, 100, 40)
+    x = jnp.asarray(rng.normal(size=(3, 100)), dtype).at[1, 97].set(jnp.nan)  # in the tail of 16
+    got = np.asarray(kernels.w8a8_tile_matmul(x, kernels.to_w8a8_tiles(leaf), quant.MIN_ACTIVATION_SCALE), np.float32)
+    xla = np.asarray(jax.jit(linear.w8a8_matmul)(x, leaf), np.float32)
+    assert np.isnan(got[1]).all() and np.isnan(xla[1]).all()
+    assert np.isfinite(got[[0, 2]]).all()

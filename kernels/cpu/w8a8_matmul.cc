@@ -28,9 +28,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "helper_thread.h"
+#include "vec.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -83,7 +85,7 @@ void ConfigureTiles() {
 
 template <typename XT>
 struct Problem {
-  int64_t m, n, k;
+  int64_t m, n;
   int64_t steps, groups, blocks;  // K / 64, M / 16, N / 16, rounded up
   int64_t row_bytes;              // of the rounded x: steps * 64
   const int8_t* xq;               // [groups * 16, row_bytes]
@@ -93,29 +95,32 @@ struct Problem {
   XT* y;                          // [m, n]
 };
 
-inline __m512 LoadF32(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 LoadF32(const uint16_t* p, __mmask16 mask) {  // bf16 -> float32: the bits move up 16 places
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-inline void StoreF32(const __m512 v, float* p, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-inline void StoreF32(const __m512 v, uint16_t* p, __mmask16 mask) {  // round to nearest even; NaN stays NaN
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(r));
-}
-
 inline __mmask16 Lanes(int64_t count) {
   return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
 }
 
+// 16 lanes of x as float32 from `count` values (zeros past them), widened as vec.h's Load widens.
+template <typename XT>
+inline __m512 LoadLanes(const XT* p, int64_t count) {
+  if (count >= kLanes) return (__m512)Load(p);
+  alignas(64) XT tail[kLanes] = {};
+  std::memcpy(tail, p, count * sizeof(XT));
+  return (__m512)Load(tail);
+}
+
+// The first `count` of 16 lanes stored in y's dtype, rounded as vec.h's Store rounds.
+template <typename XT>
+inline void StoreLanes(__m512 v, XT* p, int64_t count) {
+  if (count >= kLanes) return Store((F16)v, p);
+  alignas(64) XT tail[kLanes];
+  Store((F16)v, tail);
+  std::memcpy(p, tail, count * sizeof(XT));
+}
+
 // Rows of x rounded to int8 (zeros past m and k), and their scales, as quant.quantize_activations:
 // max|x| / 127 (at least min_scale), then x / scale rounded half to even (IEEE division, exact as
-// numpy's float32 one).
+// numpy's float32 one). A row holding a NaN gets a NaN scale, so its outputs are NaN, as XLA's
+// maximum propagates it.
 template <typename XT>
 void RoundRows(const XT* x, int64_t m, int64_t k, int64_t rows, int64_t row_bytes, float min_scale,
                int8_t* xq, float* scale) {
@@ -123,12 +128,18 @@ void RoundRows(const XT* x, int64_t m, int64_t k, int64_t rows, int64_t row_byte
   for (int64_t r = 0; r < m; ++r) {
     const XT* src = x + r * k;
     __m512 largest = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(LoadF32(src + i, Lanes(k - i))));
-    const float s = std::max(_mm512_reduce_max_ps(largest) / 127.0f, min_scale);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m512 v = LoadLanes(src + i, k - i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
+    }
+    const float s = nan ? std::numeric_limits<float>::quiet_NaN()
+                        : std::max(_mm512_reduce_max_ps(largest) / 127.0f, min_scale);
     scale[r] = s;
     const __m512 sv = _mm512_set1_ps(s);
     for (int64_t i = 0; i < k; i += 16) {
-      const __m512 v = _mm512_div_ps(LoadF32(src + i, Lanes(k - i)), sv);
+      const __m512 v = _mm512_div_ps(LoadLanes(src + i, k - i), sv);
       const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       _mm_mask_storeu_epi8(xq + r * row_bytes + i, Lanes(k - i), _mm512_cvtsepi32_epi8(q));
     }
@@ -166,15 +177,14 @@ void BlockPass(const Problem<XT>& p, int64_t b, int64_t g0) {
   if (G > 1) _tile_stored(1, c[1], 64);
   if (G > 2) _tile_stored(2, c[2], 64);
   if (G > 3) _tile_stored(3, c[3], 64);
-  const int64_t n0 = b * kTileRows;
-  const __mmask16 mask = Lanes(p.n - n0);
-  const __m512 w_scale = _mm512_maskz_loadu_ps(mask, p.w_scale + n0);
+  const int64_t n0 = b * kTileRows, outputs = p.n - n0;
+  const __m512 w_scale = LoadLanes(p.w_scale + n0, outputs);
   for (int g = 0; g < G; ++g) {
     const int64_t rows = std::min<int64_t>(kTileRows, p.m - (g0 + g) * kTileRows);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t row = (g0 + g) * kTileRows + i;
       const __m512 acc = _mm512_cvtepi32_ps(_mm512_load_si512(c[g] + i * kTileRows));
-      StoreF32(_mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(p.x_scale[row])), w_scale), p.y + row * p.n + n0, mask);
+      StoreLanes(_mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(p.x_scale[row])), w_scale), p.y + row * p.n + n0, outputs);
     }
   }
 }
@@ -207,7 +217,7 @@ void Run(ffi::ThreadPool& pool, const void* x, int64_t m, int64_t k, int64_t n, 
   xq.resize(groups * kTileRows * row_bytes);
   x_scale.resize(m);
   RoundRows(static_cast<const XT*>(x), m, k, groups * kTileRows, row_bytes, min_scale, xq.data(), x_scale.data());
-  const Problem<XT> p{m, n, k, steps, groups, blocks, row_bytes, xq.data(), x_scale.data(), tiles, w_scale,
+  const Problem<XT> p{m, n, steps, groups, blocks, row_bytes, xq.data(), x_scale.data(), tiles, w_scale,
                       static_cast<XT*>(y)};
   const int64_t items = (blocks + kBlocksPerItem - 1) / kBlocksPerItem;
   if (groups == 1) return HelperThread::Run(Item<XT>, &p, items);
