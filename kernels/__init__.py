@@ -41,6 +41,7 @@ else:
         "small_matmul_native": "native", "small_matmul_supported": "native",
         "silu_mul_native": "native", "silu_mul_supported": "native", "rotary_native": "native",
         "rotary_supported": "native", "sampling_thresholds_native": "native",
+        "logprob_stats_native": "native",
         # the CPU's flags as the kernels are built and chosen for (JAXRUNNER_CPU_MAX_ISA caps them)
         "cpu_flags": "cpu_isa", "cpu_features": "native", "max_isa": "cpu_isa",
         "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",

@@ -1,6 +1,7 @@
 """The native CPU kernels (``cpu/*.cc``: paged attention, the KV page write, the few-row
 matmuls, "w8a8" products on AMX-INT8, the gated MLP's SiLU product, RoPE, the sampler's
-top-k/top-p thresholds): built on first use into one library, called through XLA's FFI.
+top-k/top-p thresholds and logprob statistics): built on first use into one library, called
+through XLA's FFI.
 
 Why built at run time rather than at install time: the kernel is compiled with
 ``-march=native`` for the machine it runs on (AVX-512 where there is one; ``cpu_isa.py`` says how
@@ -37,7 +38,7 @@ logger = logging.getLogger("jaxrunner")
 CPU_DIR = Path(__file__).with_name("cpu")
 SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR / "quant_matmul.cc",
            CPU_DIR / "quant_panels.cc", CPU_DIR / "gated_activation.cc", CPU_DIR / "rotary.cc",
-           CPU_DIR / "sampling_thresholds.cc", CPU_DIR / "w8a8_matmul.cc")
+           CPU_DIR / "sampling_thresholds.cc", CPU_DIR / "logprob_stats.cc", CPU_DIR / "w8a8_matmul.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "fp8.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
            CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
@@ -60,6 +61,8 @@ ROTARY_TARGET_NAME = "jaxrunner_cpu_rotary"
 ROTARY_SYMBOL = "JaxrunnerCpuRotary"
 THRESHOLDS_TARGET_NAME = "jaxrunner_cpu_sampling_thresholds"
 THRESHOLDS_SYMBOL = "JaxrunnerCpuSamplingThresholds"
+LOGPROB_STATS_TARGET_NAME = "jaxrunner_cpu_logprob_stats"
+LOGPROB_STATS_SYMBOL = "JaxrunnerCpuLogprobStats"
 W8A8_MATMUL_TARGET_NAME = "jaxrunner_cpu_w8a8_matmul"
 W8A8_MATMUL_SYMBOL = "JaxrunnerCpuW8a8Matmul"
 # [K, N] weights: work items, each a contiguous block of K rows (partial sums). Two measured best
@@ -156,6 +159,8 @@ def _load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(ROTARY_TARGET_NAME, jax.ffi.pycapsule(getattr(library, ROTARY_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(THRESHOLDS_TARGET_NAME, jax.ffi.pycapsule(getattr(library, THRESHOLDS_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(LOGPROB_STATS_TARGET_NAME, jax.ffi.pycapsule(getattr(library, LOGPROB_STATS_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(W8A8_MATMUL_TARGET_NAME, jax.ffi.pycapsule(getattr(library, W8A8_MATMUL_SYMBOL)),
                                 platform="cpu")
@@ -334,6 +339,21 @@ def sampling_thresholds_native(logits, top_k, top_p):
                          f"{top_k.dtype}{list(top_k.shape)}, top_p {top_p.dtype}{list(top_p.shape)}")
     call = jax.ffi.ffi_call(THRESHOLDS_TARGET_NAME, jax.ShapeDtypeStruct((rows,), jnp.float32))
     return call(logits, top_k, top_p)
+
+
+def logprob_stats_native(logits, chosen):
+    """Per row of float32 ``logits`` [S, V], (its log normalizer, ``jax.nn.logsumexp``'s to within
+    float32 rounding of the sum; the rank of token ``chosen`` [S] int32, 1 + the logits strictly
+    above it): what ``runner.sampler`` reports a sampled token's logprob with, in one native pass
+    per row rather than XLA's three reductions (see ``cpu/logprob_stats.cc``)."""
+    _require()
+    rows = logits.shape[0]
+    if logits.ndim != 2 or logits.dtype != jnp.float32 or chosen.shape != (rows,) or chosen.dtype != jnp.int32:
+        raise ValueError(f"the native logprob statistics take logits float32 [S, V] and chosen int32 [S]; got "
+                         f"logits {logits.dtype}{list(logits.shape)}, chosen {chosen.dtype}{list(chosen.shape)}")
+    call = jax.ffi.ffi_call(LOGPROB_STATS_TARGET_NAME, (jax.ShapeDtypeStruct((rows,), jnp.float32),
+                                                        jax.ShapeDtypeStruct((rows,), jnp.int32)))
+    return call(logits, chosen)
 
 
 def cpu_features() -> list[str]:

@@ -97,7 +97,8 @@ class MatmulKernels:
       kernels: a gated MLP's ``silu(gate) * up`` from the interleaved projection
       (:func:`silu_mul_native`) and RoPE with the split of the grouped q/k/v projection
       (:func:`rotary_native`), and the runner sends the sampler's top-k/top-p thresholds to
-      :func:`sampling_thresholds_native`; ``"xla"`` leaves them to XLA. Not products, but decided
+      :func:`sampling_thresholds_native` and its logprobs' normalizer and ranks to
+      :func:`logprob_stats_native`; ``"xla"`` leaves them to XLA. Not products, but decided
       by the same conditions as the native ones, and handed down with them.
     * ``weight_only_activations``: ``"float"`` multiplies weight-only int8/int4 weights by the
       activations as they are; ``"int8"`` rounds them to int8 per run of 32 inputs first, on every

@@ -112,7 +112,7 @@ def test_matmul_choice_is_checked():
 def test_runner_hands_its_matmul_choice_to_the_model():
     """The runner asks the query once; the forward it traces routes a one-row product to the native
     kernel exactly when the answer says so (an architecture built without a choice stays on XLA),
-    and its sampler the top-k/top-p thresholds."""
+    and its sampler the top-k/top-p thresholds and the logprob statistics."""
     from jaxrunner.models import registry
     from jaxrunner.models.config import ModelConfig
     from jaxrunner.models.params import param_shapes
@@ -132,8 +132,9 @@ def test_runner_hands_its_matmul_choice_to_the_model():
     assert runner.matmuls == kernels.capabilities().matmuls
     lowered = runner.lower(batch).as_text()
     assert (lowered.count(native.MATMUL_TARGET_NAME) > 0) == (runner.matmuls.one_row == "native")
-    # and the sampler's top-k/top-p thresholds go where the element-wise steps do
+    # and the sampler's top-k/top-p thresholds and logprob statistics go where the element-wise steps do
     assert (lowered.count(native.THRESHOLDS_TARGET_NAME) > 0) == (runner.matmuls.elementwise == "native")
+    assert (lowered.count(native.LOGPROB_STATS_TARGET_NAME) > 0) == (runner.matmuls.elementwise == "native")
     portable = ModelRunner(cfg, params, spec, "xla", max_seqs_per_step=1, architecture=registry.architecture_for(cfg))
     assert portable.lower(batch).as_text().count(native.MATMUL_TARGET_NAME) == 0
 

@@ -44,7 +44,7 @@ def _skip_without_native(native: bool):
 
 
 def _filter(native: bool):
-    return jax.jit(functools.partial(sampler._filter_top_k_top_p_min_p, native_thresholds=native))
+    return jax.jit(functools.partial(sampler._filter_top_k_top_p_min_p, native_sampling=native))
 
 
 # peaked (the best candidates decide) and flat (the bisections over the whole vocabulary); top-k
@@ -150,23 +150,30 @@ def _sampling(rows: int, **fields):
     return params
 
 
-def test_greedy_logprobs_and_top_logprobs():
+def _sample(native: bool):
+    _skip_without_native(native)
+    return jax.jit(functools.partial(sampler.sample, native_sampling=native))
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_greedy_logprobs_and_top_logprobs(native):
     logits = jax.random.normal(jax.random.key(1), (4, 300)) * 3
-    out = jax.jit(sampler.sample)(logits, _sampling(4, num_logprobs=5))
+    out = _sample(native)(logits, _sampling(4, num_logprobs=5))
     expected = jax.nn.log_softmax(logits, axis=-1)
     np.testing.assert_array_equal(out["tokens"], np.argmax(logits, axis=-1))
     np.testing.assert_allclose(out["logprobs"], np.max(expected, axis=-1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out["top_logprobs"][:, :5], np.sort(expected, axis=-1)[:, ::-1][:, :5], atol=1e-5)
 
 
-def test_the_sampled_tokens_logprob_alone_skips_the_top_logprobs():
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_the_sampled_tokens_logprob_alone_skips_the_top_logprobs(native):
     """logprobs=0 (the sampled token's logprob and rank, as RL rollouts take them) gives the same
     figures whether or not a batch-mate asks for top logprobs; the top ones stay zeros without one."""
     logits = jax.random.normal(jax.random.key(2), (4, 300)) * 3
-    alone = jax.jit(sampler.sample)(logits, _sampling(4, num_logprobs=0))
+    alone = _sample(native)(logits, _sampling(4, num_logprobs=0))
     mixed_params = _sampling(4, num_logprobs=0)
     mixed_params.num_logprobs[1] = 5
-    mixed = jax.jit(sampler.sample)(logits, mixed_params)
+    mixed = _sample(native)(logits, mixed_params)
     expected = jax.nn.log_softmax(logits, axis=-1)
     np.testing.assert_allclose(alone["logprobs"], np.max(expected, axis=-1), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(alone["ranks"], 1)
@@ -284,22 +291,48 @@ def test_logit_bias_moves_the_draw():
     assert abs(share - 1000 / 1049) < 0.05 and 12 not in draws
 
 
-def test_ranks_and_logprobs_zero():
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_ranks_and_logprobs_zero(native):
     """num_logprobs=0 still gets the sampled token's logprob and rank (vLLM returns them); a batch
     that asks for none returns zeros: it skips the normalizer over the vocabulary."""
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((5, 200)).astype(np.float32)
     params = _sampling(5, temperature=1.0, num_logprobs=0)
     params.seeds[:] = np.arange(5)
-    out = jax.jit(sampler.sample)(logits, params)
+    out = _sample(native)(logits, params)
     tokens = np.asarray(out["tokens"])
     expected = 1 + (logits > logits[np.arange(5), tokens][:, None]).sum(axis=-1)
     np.testing.assert_array_equal(out["ranks"], expected)
     log_probs = logits - np.log(np.sum(np.exp(logits), axis=-1, keepdims=True))
     np.testing.assert_allclose(out["logprobs"], log_probs[np.arange(5), tokens], rtol=1e-5, atol=1e-5)
-    none = jax.jit(sampler.sample)(logits, _sampling(5, temperature=1.0))
+    none = _sample(native)(logits, _sampling(5, temperature=1.0))
     assert not np.any(np.asarray(none["ranks"])) and not np.any(np.asarray(none["top_ids"]))
     assert not np.any(np.asarray(none["logprobs"]))
+
+
+@pytest.mark.parametrize("vocab", [7, 49152, 1003])
+def test_native_logprob_stats_match_xla(vocab):
+    """The native pass gives jax.nn.logsumexp's normalizer to float32 rounding and vLLM's rank
+    exactly: ties with the chosen logit do not count, a NaN makes the normalizer NaN, a row of -inf
+    gives -inf, an infinite logit gives that infinity, an id outside the row counts nothing."""
+    _skip_without_native(True)
+    from jaxrunner import kernels
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((7, vocab)) * 4).astype(np.float32)
+    logits[1, : vocab // 2] = logits[1, 0]  # ties with the chosen logit
+    logits[2, vocab - 1] = np.nan
+    logits[3] = -np.inf
+    logits[4, 3 % vocab] = np.inf
+    chosen = np.array([0, 0, 1, 2, vocab - 1, -1, vocab], np.int32)
+    normalizer, ranks = jax.jit(kernels.logprob_stats_native)(jnp.asarray(logits), jnp.asarray(chosen))
+    expected = np.asarray(jax.nn.logsumexp(jnp.asarray(logits), axis=-1))
+    finite = [0, 1, 5, 6]
+    np.testing.assert_allclose(np.asarray(normalizer)[finite], expected[finite], rtol=1e-6, atol=0)
+    assert np.isnan(normalizer[2]) and normalizer[3] == -np.inf and normalizer[4] == np.inf
+    in_row = chosen[:5]
+    expected_ranks = 1 + (logits[:5] > logits[np.arange(5), in_row][:, None]).sum(axis=-1)
+    np.testing.assert_array_equal(np.asarray(ranks)[:5], expected_ranks)
+    np.testing.assert_array_equal(np.asarray(ranks)[5:], 1)
 
 
 def test_the_high_half_of_the_seed_changes_the_draw():

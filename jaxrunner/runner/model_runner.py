@@ -33,7 +33,7 @@ from jaxrunner.runner.step_batch import StepBatch
 
 
 def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attention, max_loras: int = 0,
-               native_thresholds: bool = False):
+               native_sampling: bool = False):
     """Forward the packed tokens, take each sequence's last row, sample one token per sequence.
 
     ``architecture`` is the model's ``forward`` and ``compute_logits`` over ``params`` (a family
@@ -48,8 +48,8 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     Speculative decoding: a batch with ``draft_rows`` also samples those rows (after the
     sequences' own rows), each verifying one proposed token (``sampler.with_draft_rows``).
 
-    ``native_thresholds``: the sampler's top-k/top-p thresholds in the native CPU kernel (the
-    runner's choice where the element-wise native kernels run).
+    ``native_sampling``: the sampler's top-k/top-p thresholds and logprob statistics in the native
+    CPU kernels (the runner's choice where the element-wise native kernels run).
 
     LoRA: ``params`` carry ``max_loras`` adapter slots (``models.lora.attach``) and each token row
     names its slot in ``batch.lora_slots``.
@@ -68,7 +68,7 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     hidden, kv_cache, every_row = _forward(architecture, params, token_ids, batch.positions, kv_cache,
                                            batch.attention, attention, rows, wants_prompt_logprobs)
     logits = architecture.compute_logits(params, hidden)
-    sampled = sampler.sample(logits, sampling, native_thresholds=native_thresholds)
+    sampled = sampler.sample(logits, sampling, native_sampling=native_sampling)
     logits_of = functools.partial(architecture.compute_logits, params)
     sampled.update(jax.lax.cond(wants_prompt_logprobs,
                                 lambda h: sampler.prompt_logprobs(logits_of, h, targets),
@@ -107,7 +107,7 @@ def flat_params_step(param_leaves, kv_cache, batch, feed, *, param_tree, **optio
 
 
 def jitted_step(architecture, attention, param_tree, shardings=None, max_loras: int = 0,
-                native_thresholds: bool = False):
+                native_sampling: bool = False):
     """``flat_params_step`` jitted with the cache donated (and, on a mesh, the declared ``(param
     leaves, cache, replicated)`` shardings), one per distinct argument set, shared by the runners
     alive in the process.
@@ -117,22 +117,22 @@ def jitted_step(architecture, attention, param_tree, shardings=None, max_loras: 
     reuses them all and compiles nothing while the first is alive; once every runner holding the
     function is gone, so are its executables. Arguments that cannot be hashed (a user's
     architecture object) get a function of their own."""
-    key = (architecture, attention, param_tree, max_loras, native_thresholds,
+    key = (architecture, attention, param_tree, max_loras, native_sampling,
            None if shardings is None else jax.tree.flatten(shardings, is_leaf=lambda x: x is None))
     try:
         hash(key)
     except TypeError:
-        return _jit_step(architecture, attention, param_tree, shardings, max_loras, native_thresholds)
+        return _jit_step(architecture, attention, param_tree, shardings, max_loras, native_sampling)
     step = _SHARED_STEPS.get(key)
     if step is None:
-        step = _jit_step(architecture, attention, param_tree, shardings, max_loras, native_thresholds)
+        step = _jit_step(architecture, attention, param_tree, shardings, max_loras, native_sampling)
         _SHARED_STEPS[key] = step
     return step
 
 
-def _jit_step(architecture, attention, param_tree, shardings, max_loras: int, native_thresholds: bool):
+def _jit_step(architecture, attention, param_tree, shardings, max_loras: int, native_sampling: bool):
     step = functools.partial(flat_params_step, param_tree=param_tree, architecture=architecture,
-                             attention=attention, max_loras=max_loras, native_thresholds=native_thresholds)
+                             attention=attention, max_loras=max_loras, native_sampling=native_sampling)
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
     params, cache, replicated = shardings
@@ -235,7 +235,7 @@ class ModelRunner:
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost compile time
             # the sampler's top-k/top-p thresholds in the native kernel where the element-wise steps are
             self._jitted_step = jitted_step(architecture, attention, self._param_tree, max_loras=max_loras,
-                                            native_thresholds=self.matmuls.elementwise == "native")
+                                            native_sampling=self.matmuls.elementwise == "native")
         else:
             step_shardings = param_shardings if lora_spec is None else lora.attach(param_shardings, slot_shardings)
             leaf_shardings = tuple(self._param_tree.flatten_up_to(step_shardings))

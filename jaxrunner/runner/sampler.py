@@ -137,14 +137,14 @@ def _exact_thresholds(logits, log_normalizer, top_k, top_p):
     return jnp.maximum(jnp.where(k_on, kth, -jnp.inf), jnp.where(p_on, nucleus, -jnp.inf))
 
 
-def _filter_top_k_top_p_min_p(logits, top_k, top_p, min_p, native_thresholds: bool = False):
+def _filter_top_k_top_p_min_p(logits, top_k, top_p, min_p, native_sampling: bool = False):
     """Mask logits outside each row's top-k / nucleus / min-p set with -inf (vLLM semantics).
 
     The top-k/top-p thresholds come from ``kernels.sampling_thresholds_native`` with
-    ``native_thresholds`` (XLA:CPU with the native kernels built: those of ``_exact_thresholds``,
+    ``native_sampling`` (XLA:CPU with the native kernels built: those of ``_exact_thresholds``,
     several times faster than XLA's TopK alone), else from ``_xla_thresholds``.
     """
-    if native_thresholds:
+    if native_sampling:
         threshold = kernels.sampling_thresholds_native(logits.astype(jnp.float32), top_k.astype(jnp.int32),
                                                        top_p.astype(jnp.float32))
     else:
@@ -275,7 +275,7 @@ def _add_logit_bias(logits, ids, values):
     return logits.at[_row_index(ids), jnp.where(valid, ids, 0)].add(jnp.where(valid, values, 0.0))
 
 
-def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens, native_thresholds: bool):
+def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens, native_sampling: bool):
     """Temperature, top-k / top-p / min-p, then one inverse-CDF draw per row (``greedy_tokens``:
     the rows' argmax, the draw's fallback)."""
     # greedy rows take no part in filtering (their settings must not force the slow path)
@@ -287,7 +287,7 @@ def _draw(logits, sampling: SamplingMetadata, is_sampled, greedy_tokens, native_
     filters = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
 
     def filtered(x):
-        return _filter_top_k_top_p_min_p(x / temperature[:, None], top_k, top_p, min_p, native_thresholds)
+        return _filter_top_k_top_p_min_p(x / temperature[:, None], top_k, top_p, min_p, native_sampling)
 
     if sampling.draft_tokens is None:
         # without filters the temperature goes into the draw's exponentials: no tempered copy of
@@ -367,7 +367,7 @@ def with_draft_rows(sampling: SamplingMetadata, draft_rows: DraftRows) -> Sampli
                                draft_tokens=jnp.concatenate([no_draft, draft_rows.tokens]))
 
 
-def sample(logits, sampling: SamplingMetadata, *, native_thresholds: bool = False):
+def sample(logits, sampling: SamplingMetadata, *, native_sampling: bool = False):
     """Sample one token per row of ``logits`` [S, V] with the row's settings in ``sampling`` (the
     step batch's ``SamplingMetadata``, or with ``draft_tokens`` after ``with_draft_rows``).
 
@@ -375,8 +375,9 @@ def sample(logits, sampling: SamplingMetadata, *, native_thresholds: bool = Fals
     temperature), as vLLM reports them by default. They (the sampled token's, its rank and the top
     logprobs) are computed only in batches where some row asks for logprobs, zeros otherwise: the
     normalizer alone, a max and a sum of exponentials over the vocabulary, took about 6 % of a
-    64-row SmolLM2 decode step (profiled). ``native_thresholds``: top-k/top-p thresholds in the
-    native CPU kernel (``_filter_top_k_top_p_min_p``).
+    64-row SmolLM2 decode step (profiled). ``native_sampling``: top-k/top-p thresholds
+    (``_filter_top_k_top_p_min_p``) and the logprobs' normalizer and ranks
+    (``kernels.logprob_stats_native``) in the native CPU kernels.
     """
     raw = logits
     is_sampled = sampling.temperature > 0.0
@@ -385,7 +386,7 @@ def sample(logits, sampling: SamplingMetadata, *, native_thresholds: bool = Fals
         x = _process_logits(x, sampling)
         greedy_tokens = first_argmax(x)
         drawn = jax.lax.cond(jnp.any(is_sampled),
-                             lambda y: _draw(y, sampling, is_sampled, greedy_tokens, native_thresholds),
+                             lambda y: _draw(y, sampling, is_sampled, greedy_tokens, native_sampling),
                              lambda y: greedy_tokens, x)
         return jnp.where(is_sampled, drawn, greedy_tokens)
 
@@ -401,9 +402,12 @@ def sample(logits, sampling: SamplingMetadata, *, native_thresholds: bool = Fals
     empty = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32)) + no_top
 
     def logprob_details(x, with_top: bool):
-        log_normalizer = jax.nn.logsumexp(x, axis=-1)
+        if native_sampling:  # the normalizer and the ranks in one native pass per row
+            log_normalizer, ranks = kernels.logprob_stats_native(x.astype(jnp.float32), tokens.astype(jnp.int32))
+        else:
+            log_normalizer, ranks = jax.nn.logsumexp(x, axis=-1), _ranks(x, tokens)
         token_logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - log_normalizer
-        return (token_logprobs, _ranks(x, tokens)) + (_top_logprobs(x, log_normalizer) if with_top else no_top)
+        return (token_logprobs, ranks) + (_top_logprobs(x, log_normalizer) if with_top else no_top)
 
     # one switch, not nested conds (a second cond around the TopK cost a copy of the logits): the
     # top logprobs' TopK over the vocabulary runs only where a row asks for some, not for the
