@@ -404,11 +404,13 @@ def result_name(kind: str, dtype: str, *, tensor_parallel_size: int = 1, data_pa
 
 def default_output_json(kind: str, args, commit: str | None = None) -> str:
     """``benchmarks/results/<result_name>.json`` for a run with the engine flags in ``args`` (and
-    ``-sampled`` for requests drawn at a temperature, whose figures are not the greedy ones')."""
+    ``-sampled`` for requests drawn at a temperature, whose figures are not the greedy ones', and
+    ``-logprobs`` for requests that ask for logprobs)."""
     quantization, kv = getattr(args, "quantization", None), getattr(args, "kv_cache_dtype", "auto")
     dtype = f"{args.dtype}-{quantization}" if quantization else args.dtype
     dtype += f"-kv{kv}" if kv != "auto" else ""
     dtype += "-sampled" if getattr(args, "temperature", 0) > 0 else ""
+    dtype += "-logprobs" if getattr(args, "logprobs", None) is not None else ""
     name = result_name(kind, dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                        data_parallel_size=getattr(args, "data_parallel_size", 1), commit=commit)
     return os.path.join(RESULTS_DIR, name + ".json")

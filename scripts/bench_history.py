@@ -99,7 +99,7 @@ def _labelled(doc: dict, workload: str) -> str:
     if matmul != "auto":
         parts.append(f"cpu_matmul={matmul}")
     sampling = (doc.get("config") or {}).get("sampling") or {}
-    parts.extend(f"{k}={v}" for k, v in sampling.items() if v)
+    parts.extend(f"{k}={v}" for k, v in sampling.items() if v or k == "logprobs")  # logprobs=0 is asked for
     return " ".join(parts)
 
 

@@ -7,10 +7,13 @@
     python scripts/benchmark_throughput.py --dataset builtin --output-len 64
     python scripts/benchmark_throughput.py --dtype bfloat16 --compare-quantization int4 --repetitions 4
     python scripts/benchmark_throughput.py --temperature 0.8 --top-p 0.95 --compare vllm  # sampled
+    python scripts/benchmark_throughput.py --temperature 1.0 --logprobs 0 --compare vllm   # RL rollouts
 
 Every request ignores EOS, so each produces exactly its output length and both engines do the
 same work. Requests are greedy unless ``--temperature`` (with ``--top-p``, ``--top-k``) samples
 them, with the same settings for every engine; the result file is then named ``...-sampled-...``.
+``--logprobs N`` asks every engine for each output token's logprob and rank and the N most likely
+tokens' (0: the sampled token's alone, what RL rollouts take; ``...-logprobs-...``).
 jaxrunner's figure excludes start-up (load + compile + warm-up, reported
 separately); transformers' excludes model loading and runs in its own process (JAX's CPU threads
 slow torch down when they share one). Tokens counted are the requested ones (prompt
@@ -58,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 (the default): off")
     g.add_argument("--top-k", type=int, default=0, help="0 (the default): off")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="each output token's logprob and rank, and the N most likely tokens' (0: the sampled "
+                        "token's alone; at most jaxrunner's MAX_LOGPROBS); off by default")
     common.add_hf_args(parser)
     common.add_vllm_args(parser)
     common.add_engine_args(parser)
@@ -73,7 +79,13 @@ def make_requests(args, tokenizer) -> list[dict]:
 
 def sampling_settings(args) -> dict:
     """The requests' sampling settings from the flags: ``{}`` for greedy, else temperature, top_p
-    and top_k (0: off). Refuses what the engines would ignore or reject, before any start-up."""
+    and top_k (0: off); and logprobs where asked for. Refuses what the engines would ignore or
+    reject, before any start-up."""
+    from jaxrunner.runner.step_batch import MAX_LOGPROBS
+
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise common.BenchError(f"--logprobs: must be in 0..{MAX_LOGPROBS}, got {args.logprobs}")
+    logprobs = {} if args.logprobs is None else {"logprobs": args.logprobs}
     if args.temperature < 0:
         raise common.BenchError(f"--temperature: must be at least 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -83,13 +95,13 @@ def sampling_settings(args) -> dict:
     if args.temperature == 0:
         if args.top_p < 1 or args.top_k > 0:
             raise common.BenchError("--top-p and --top-k need --temperature above 0 (greedy requests ignore them)")
-        return {}
-    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        return logprobs
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, **logprobs}
 
 
 def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True, sampling: dict | None = None) -> dict:
     """Serve all requests at once through ``llm.generate``; tokens/s over the wall time.
-    ``sampling``: temperature, top_p, top_k for every request (greedy without)."""
+    ``sampling``: temperature, top_p, top_k for every request (greedy without), and logprobs."""
     from jaxrunner import SamplingParams
 
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
@@ -99,6 +111,8 @@ def run_jaxrunner(llm, requests: list[dict], use_tqdm: bool = True, sampling: di
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
+    if "logprobs" in settings and any(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in outputs):
+        raise common.BenchError("jaxrunner returned outputs without the logprobs asked for")
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     figures = _figures(elapsed, prompt_tokens, output_tokens, len(requests),
@@ -247,7 +261,8 @@ def main(argv=None) -> int:
                                 f"drop --quantization {args.quantization}")
     peers = args.compare.split(",") if args.compare != "none" else []
     if "hf" in peers and sampling:
-        raise common.BenchError("--compare hf: transformers' static batches here are greedy; drop --temperature")
+        raise common.BenchError("--compare hf: transformers' static batches here are greedy, without logprobs; "
+                                "drop --temperature and --logprobs")
     hf_batch_sizes = common.parse_int_list(args.hf_batch_sizes, "--hf-batch-sizes") if "hf" in peers else []
     if "hf" in peers:
         common.hf_spec(args.model, args.hf_threads)  # fail before the long start-up if transformers can't load it

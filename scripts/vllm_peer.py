@@ -41,7 +41,7 @@ def greedy(max_tokens: int):
 
 
 def sampled(max_tokens: int, sampling: dict):
-    """EOS ignored; ``sampling``: temperature, top_p, top_k (0: off), greedy when empty."""
+    """EOS ignored; ``sampling``: temperature, top_p, top_k (0: off), logprobs; greedy when empty."""
     from vllm import SamplingParams
 
     settings = {"temperature": 0.0, **sampling}

@@ -17,7 +17,7 @@ import _bench_common as common  # noqa: E402
 import bench_history  # noqa: E402
 
 NAME = re.compile(r"^(?P<kind>[a-z]+(-tp\d+)?(-dp\d+)?-(float32|bfloat16)(-(int8|int4|w4a8|w8a8))?"
-                  r"(-kv(float32|bfloat16|fp8|fp8_e4m3|fp8_e5m2))?(-sampled)?)-(?P<date>\d{4}-\d\d-\d\d)-"
+                  r"(-kv(float32|bfloat16|fp8|fp8_e4m3|fp8_e5m2))?(-sampled)?(-logprobs)?)-(?P<date>\d{4}-\d\d-\d\d)-"
                   r"(?P<commit>[0-9a-f]{7,}|nogit)\.(json|png)$")
 
 
@@ -47,6 +47,18 @@ def test_sampled_requests_are_in_the_name_and_the_history_workload():
     assert bench_history._labelled(doc, "num_requests=64") == "num_requests=64 temperature=0.8 top_p=0.95"
     args.temperature = 0.0
     assert "-sampled" not in common.default_output_json("throughput", args, commit="abc1234")
+
+
+def test_requests_asking_for_logprobs_are_in_the_name_and_the_history_workload():
+    """logprobs=0 (the sampled token's own, what RL rollouts take) counts as asked for."""
+    args = argparse.Namespace(output_json=None, dtype="bfloat16", quantization=None, temperature=1.0, logprobs=0)
+    name = os.path.basename(common.default_output_json("throughput", args, commit="abc1234"))
+    assert NAME.match(name) and name.startswith("throughput-bfloat16-sampled-logprobs-"), name
+    doc = {"benchmark": "throughput", "config": {"sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                                                              "logprobs": 0}}}
+    assert bench_history._labelled(doc, "num_requests=64") == "num_requests=64 temperature=1.0 top_p=1.0 logprobs=0"
+    args.logprobs = None
+    assert "-logprobs" not in common.default_output_json("throughput", args, commit="abc1234")
 
 
 def test_git_commit_is_the_checkouts_short_head():
