@@ -345,13 +345,16 @@ def test_the_high_half_of_the_seed_changes_the_draw():
     assert np.mean(low_only == high) < 0.2
 
 
-def test_prompt_logprobs_match_numpy_log_softmax():
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_prompt_logprobs_match_numpy_log_softmax(native):
+    _skip_without_native(native)
     rng = np.random.default_rng(6)
     tokens, width, vocab = 24, 16, 100
     hidden = rng.standard_normal((tokens, width)).astype(np.float32)
     weights = rng.standard_normal((width, vocab)).astype(np.float32)
     targets = np.where(rng.random(tokens) < 0.7, rng.integers(0, vocab, tokens), -1).astype(np.int32)
-    got = jax.jit(lambda h, t: sampler.prompt_logprobs(lambda rows: rows @ weights, h, t))(hidden, targets)
+    got = jax.jit(lambda h, t: sampler.prompt_logprobs(lambda rows: rows @ weights, h, t, native_sampling=native))(
+        hidden, targets)
     logits = hidden.astype(np.float64) @ weights
     logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     rows = np.flatnonzero(targets >= 0)

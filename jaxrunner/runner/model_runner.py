@@ -48,8 +48,9 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     Speculative decoding: a batch with ``draft_rows`` also samples those rows (after the
     sequences' own rows), each verifying one proposed token (``sampler.with_draft_rows``).
 
-    ``native_sampling``: the sampler's top-k/top-p thresholds and logprob statistics in the native
-    CPU kernels (the runner's choice where the element-wise native kernels run).
+    ``native_sampling``: the sampler's top-k/top-p thresholds and the logprob statistics (of sampled
+    and prompt tokens) in the native CPU kernels (the runner's choice where the element-wise native
+    kernels run).
 
     LoRA: ``params`` carry ``max_loras`` adapter slots (``models.lora.attach``) and each token row
     names its slot in ``batch.lora_slots``.
@@ -71,7 +72,8 @@ def model_step(params, kv_cache, batch: StepBatch, feed, *, architecture, attent
     sampled = sampler.sample(logits, sampling, native_sampling=native_sampling)
     logits_of = functools.partial(architecture.compute_logits, params)
     sampled.update(jax.lax.cond(wants_prompt_logprobs,
-                                lambda h: sampler.prompt_logprobs(logits_of, h, targets),
+                                lambda h: sampler.prompt_logprobs(logits_of, h, targets,
+                                                                  native_sampling=native_sampling),
                                 lambda h: sampler.empty_prompt_logprobs(h.shape[0]), every_row))
     seq_tokens = sampled["tokens"][:batch.logits_indices.shape[0]]
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), seq_tokens.astype(feed.dtype), (0,))

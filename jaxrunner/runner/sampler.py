@@ -351,6 +351,14 @@ def _ranks(raw, chosen):
     return (jnp.sum(raw > chosen_logit, axis=-1) + 1).astype(jnp.int32)
 
 
+def _logprob_stats(raw, chosen, native: bool):
+    """(each row's log normalizer, the rank of its ``chosen`` token): in one native pass per row
+    with ``native`` (``kernels.logprob_stats_native``), else XLA's logsumexp and count."""
+    if native:
+        return kernels.logprob_stats_native(raw.astype(jnp.float32), chosen.astype(jnp.int32))
+    return jax.nn.logsumexp(raw, axis=-1), _ranks(raw, chosen)
+
+
 def _top_logprobs(raw, log_normalizer):
     values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
     return values - log_normalizer[:, None], ids.astype(jnp.int32)
@@ -402,10 +410,7 @@ def sample(logits, sampling: SamplingMetadata, *, native_sampling: bool = False)
     empty = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32)) + no_top
 
     def logprob_details(x, with_top: bool):
-        if native_sampling:  # the normalizer and the ranks in one native pass per row
-            log_normalizer, ranks = kernels.logprob_stats_native(x.astype(jnp.float32), tokens.astype(jnp.int32))
-        else:
-            log_normalizer, ranks = jax.nn.logsumexp(x, axis=-1), _ranks(x, tokens)
+        log_normalizer, ranks = _logprob_stats(x, tokens, native_sampling)
         token_logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - log_normalizer
         return (token_logprobs, ranks) + (_top_logprobs(x, log_normalizer) if with_top else no_top)
 
@@ -423,9 +428,10 @@ def sample(logits, sampling: SamplingMetadata, *, native_sampling: bool = False)
 PROMPT_LOGPROB_BLOCK = 128  # prompt rows whose [rows, vocab] logits are alive at once
 
 
-def prompt_logprobs(logits_of, hidden, targets):
+def prompt_logprobs(logits_of, hidden, targets, *, native_sampling: bool = False):
     """For each token row, the logprob and rank of ``targets`` (the next prompt token; ``NO_TOKEN``
     rows are skipped) and the top ``MAX_LOGPROBS``, from ``logits_of(hidden rows) -> [N, V]``.
+    ``native_sampling``: the normalizer and the ranks from ``kernels.logprob_stats_native``.
 
     Rows go through in blocks so that at most ``PROMPT_LOGPROB_BLOCK`` rows of logits exist at once.
     """
@@ -435,11 +441,11 @@ def prompt_logprobs(logits_of, hidden, targets):
     def one_block(args):
         rows, row_targets = args
         raw = logits_of(rows)
-        log_normalizer = jax.nn.logsumexp(raw, axis=-1)
         chosen = jnp.maximum(row_targets, 0)
+        log_normalizer, ranks = _logprob_stats(raw, chosen, native_sampling)
         logprob = jnp.take_along_axis(raw, chosen[:, None], axis=-1)[:, 0] - log_normalizer
         top_values, top_ids = _top_logprobs(raw, log_normalizer)
-        return logprob, _ranks(raw, chosen), top_values, top_ids
+        return logprob, ranks, top_values, top_ids
 
     blocks = (hidden.reshape(tokens // block, block, hidden.shape[-1]), targets.reshape(tokens // block, block))
     logprob, ranks, top_values, top_ids = jax.lax.map(one_block, blocks)
