@@ -235,7 +235,8 @@ class ModelRunner:
         self._param_tree = None  # the step's params tree: set by the first params
         self.params = self._for_step(jax.device_put(params, param_shardings))  # put: a no-op when in place
         if self.mesh.size == 1:  # committed single-device arrays; declared shardings only cost compile time
-            # the sampler's top-k/top-p thresholds in the native kernel where the element-wise steps are
+            # the sampler's thresholds and logprob statistics in the native kernels where the
+            # element-wise steps are
             self._jitted_step = jitted_step(architecture, attention, self._param_tree, max_loras=max_loras,
                                             native_sampling=self.matmuls.elementwise == "native")
         else:

@@ -4,10 +4,10 @@
 // token's rank, vLLM's 1 + the number of logits strictly above the chosen one.
 //
 // Why: XLA:CPU ran these as three row-wise reductions over the vocabulary (the maximum, the sum
-// of exponentials, the count), each about three times a plain sum's time: 4 ms of a 64-row
-// SmolLM2 step for logprobs=0 (what RL rollouts and OpenAI `logprobs` requests take). Here each
-// row is read twice, once for the maximum and the count, once from L2 for the exponentials, rows
-// spread over XLA's intra-op pool.
+// of exponentials, the count), each about three times a plain sum's time: most of the sampler's
+// time for logprobs=0, what RL rollouts and OpenAI `logprobs` requests take (docs/performance.md
+// has the measurements). Here each row is read twice, once for the maximum and the count, once
+// from L2 for the exponentials, rows spread over XLA's intra-op pool.
 //
 // Edge cases as XLA's: a NaN logit makes the normalizer NaN; a row whose largest logit is
 // infinite gets that infinity; a chosen id outside the row counts nothing (rank 1).
@@ -30,7 +30,8 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 struct NoScratch {};
 
 // The row's largest logit (NaN if any is NaN) and how many logits exceed `chosen`, kLanes running
-// values at a time (loops the compiler vectorises): one chain of scalar maxima waits on each.
+// values at a time (loops the compiler vectorises), where one chain of scalar maxima would wait
+// on each comparison.
 void MaxAndCount(const float* x, int64_t n, float chosen, float* largest, int64_t* above) {
   float hi[kLanes];
   int32_t nan[kLanes] = {}, count[kLanes] = {};
