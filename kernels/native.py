@@ -41,7 +41,8 @@ SOURCES = (CPU_DIR / "paged_attention.cc", CPU_DIR / "small_matmul.cc", CPU_DIR 
            CPU_DIR / "sampling_thresholds.cc", CPU_DIR / "logprob_stats.cc", CPU_DIR / "w8a8_matmul.cc")
 HEADERS = (CPU_DIR / "vec.h", CPU_DIR / "fp8.h", CPU_DIR / "work_queue.h", CPU_DIR / "helper_thread.h", CPU_DIR / "quant_dot.h",
            CPU_DIR / "quant_dot8.h", CPU_DIR / "quant_gemm8.h",
-           CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h")
+           CPU_DIR / "quant_gemm_f32.h", CPU_DIR / "quant_gemm_vnni.h", CPU_DIR / "transpose.h",
+           CPU_DIR / "amx.h", CPU_DIR / "attention_problem.h", CPU_DIR / "attention_amx.h")
 TARGET_NAME = "jaxrunner_cpu_paged_attention"
 SYMBOL = "JaxrunnerCpuPagedAttention"
 WRITE_TARGET_NAME = "jaxrunner_cpu_write_kv"
@@ -211,6 +212,13 @@ def w8a8_matmul_ready() -> bool:
     return library is not None and bool(library.JaxrunnerCpuW8a8MatmulReady())
 
 
+def attention_tiles_ready() -> bool:
+    """Whether the build for this CPU runs bf16 paged attention on AMX-BF16 tiles
+    (``cpu/attention_amx.h``) and the OS grants AMX to this process, as the library itself reports."""
+    library = _loaded()[0]
+    return library is not None and bool(library.JaxrunnerCpuAttentionTilesReady())
+
+
 def available() -> bool:
     return unavailable_reason() is None
 
@@ -227,10 +235,12 @@ def supports(head_dim: int) -> bool:
 
 
 def ragged_paged_attention_native(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                                  sm_scale, sliding_window=None, soft_cap=None):
+                                  sm_scale, sliding_window=None, soft_cap=None, tiles=True):
     """Same contract as :func:`jaxrunner.kernels.reference.ragged_paged_attention_reference`.
 
-    Runs on CPU only (the custom call is registered for the CPU platform)."""
+    Runs on CPU only (the custom call is registered for the CPU platform). ``tiles``: bf16 queries
+    and pages multiply on AMX-BF16 tiles where :func:`attention_tiles_ready` and the shapes allow
+    (``cpu/attention_amx.h``); False keeps them on the AVX-512 path."""
     _require()
     if not supports(q.shape[-1]):
         raise ValueError(f"the native CPU kernel needs head_dim a multiple of 16 and at most 256, got {q.shape[-1]}")
@@ -239,7 +249,8 @@ def ragged_paged_attention_native(q, k_pages, v_pages, kv_lens, page_indices, cu
     return call(q, k_pages, v_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
                 i32(num_seqs).reshape(1), sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
-                sliding_window=np.int64(0 if sliding_window is None else sliding_window))
+                sliding_window=np.int64(0 if sliding_window is None else sliding_window),
+                tiles=np.int64(bool(tiles)))
 
 
 def write_kv_pages_native(k_pages, v_pages, k_new, v_new, slot_mapping):

@@ -186,6 +186,55 @@ def test_native_lone_decode_split_over_its_keys(kv_len, attn, dtype):
                      num_tokens=2, max_seqs=2, dtype=dtype, scale=2.0)
     check(_jit_native(tuple(sorted(attn.items())))(*case.args()), case, dtype, sm_scale=0.3, **attn)
 
+# name -> (q_lens, kv_lens, make_case kwargs) for bf16 on AMX tiles: prefill chunks of several rows
+# (the tiles' items) beside decode rows, kv heads sharing a block of 16 columns or taking several,
+# pages of 16 and 32 rows, every head size the tiles take, lengths off the 16-key chunks.
+TILE_SHAPES = {
+    "smollm2": ([1, 1, 9, 40, 1], [1, 300, 16, 40, 17], dict(page_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)),
+    "chunked": ([5, 12, 1, 7], [21, 12, 40, 8], dict(page_size=32, num_q_heads=8, num_kv_heads=2, head_dim=128)),
+    "mha": ([3, 1, 20], [50, 33, 20], dict(page_size=16, num_q_heads=4, num_kv_heads=4, head_dim=96)),
+    "group8": ([2, 1, 17], [70, 129, 17], dict(page_size=16, num_q_heads=16, num_kv_heads=2, head_dim=256)),
+    "group16": ([2, 1, 33], [70, 40, 33], dict(page_size=16, num_q_heads=16, num_kv_heads=1, head_dim=64)),
+    "padded": ([1, 1, 6, 1, 10], [17, 3, 30, 64, 10],
+               dict(page_size=16, num_q_heads=12, num_kv_heads=4, head_dim=128, num_tokens=32, max_seqs=8, width=6)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_native_tiles(tiles: bool, sm_scale: float, sliding_window):
+    return jax.jit(functools.partial(native.ragged_paged_attention_native, tiles=tiles, sm_scale=sm_scale,
+                                     sliding_window=sliding_window))
+
+
+@pytest.mark.parametrize("shape", list(TILE_SHAPES))
+@pytest.mark.parametrize("sliding_window", [None, 5, 37])
+def test_native_bf16_on_amx_tiles(shape, sliding_window):
+    """bf16 queries and pages on AMX-BF16 tiles (``cpu/attention_amx.h``), where the build has them
+    and the OS grants AMX, within the bf16 tolerance of the float64 answer, as the AVX-512 path is;
+    poisoned slots past each sequence (NaN) stay out of every row. Elsewhere ``tiles`` changes
+    nothing."""
+    if not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+    q_lens, kv_lens, kw = TILE_SHAPES[shape]
+    case = make_case(np.random.default_rng(len(shape)), q_lens, kv_lens, dtype="bfloat16", **kw)
+    sm_scale = kw["head_dim"] ** -0.5
+    on_tiles = np.asarray(_jit_native_tiles(True, sm_scale, sliding_window)(*case.args()))
+    avx512 = np.asarray(_jit_native_tiles(False, sm_scale, sliding_window)(*case.args()))
+    check(on_tiles, case, "bfloat16", sm_scale=sm_scale, sliding_window=sliding_window)
+    check(avx512, case, "bfloat16", sm_scale=sm_scale, sliding_window=sliding_window)
+    assert (on_tiles[case.num_live_tokens:] == 0).all()
+    if native.attention_tiles_ready():  # the chunks' rows took another path: not bit for bit
+        assert not np.array_equal(on_tiles, avx512)
+    else:
+        np.testing.assert_array_equal(on_tiles, avx512)
+
+
+def test_native_attention_tiles_where_the_cpu_has_amx_bf16():
+    if not native.available():
+        pytest.skip(f"native CPU kernel unavailable: {native.unavailable_reason()}")
+    assert native.attention_tiles_ready() == ("amx_bf16" in native.cpu_features() and native.w8a8_matmul_ready())
+
+
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("group,page_size,head_dim", [(3, 16, 64), (8, 8, 128), (1, 32, 64)])

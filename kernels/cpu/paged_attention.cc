@@ -34,8 +34,11 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
+#include "attention_problem.h"
 #include "fp8.h"
 #include "helper_thread.h"
 #include "vec.h"
@@ -67,37 +70,6 @@ inline float RangeMax(const float* s, int64_t a, int64_t b) {
   for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
   for (; t < b; ++t) m = std::max(m, s[t]);
   return m;
-}
-
-struct Problem {
-  int64_t num_tokens, num_q_heads, head_dim;
-  int64_t num_pages, page_size, num_kv_heads, width, group;
-  int64_t num_seqs;     // live sequences, clamped to [0, S]
-  float sm_scale;
-  float soft_cap;       // <= 0: none
-  int64_t window;       // <= 0: none
-  const int32_t* kv_lens;
-  const int32_t* page_indices;
-  const int32_t* cu;    // cu_q_lens
-};
-
-struct Item {
-  int32_t seq, row0, rows;
-  int64_t cost;         // rows * keys, for ordering
-  int64_t part_lo = 0, part_hi = std::numeric_limits<int64_t>::max();  // keys of a part (SplitKeys)
-};
-
-// A part's unnormalised result for its keys: acc = sum of exp(s - max) v, total = sum of
-// exp(s - max), per query vector.
-struct Partial {
-  std::vector<float> acc, max, total;  // [n, D], [n], [n]
-};
-
-// Key range [lo, hi) a tile of rows starting at position pos0 needs.
-inline void KeyRange(const Problem& p, int64_t kv, int64_t pos0, int64_t rows, int64_t* lo,
-                     int64_t* hi) {
-  *hi = std::min(pos0 + rows, kv);
-  *lo = p.window > 0 ? std::max<int64_t>(0, pos0 - (p.window - 1)) : 0;
 }
 
 // Per-thread buffers of one work item. Query vector i = r * Hq + (query head) for tile row r.
@@ -153,26 +125,6 @@ class Attention {
     }
     if (partial != nullptr) return KeepPartial(n, sc, partial);
     Store(it, q_start, sc);
-  }
-
-  // The item's rows (one) and key parts (SplitKeys) combined into out: each part's sums scaled
-  // by exp(its max - the largest max), then normalised. A row with no keys in any part is zeros.
-  void MergeParts(const Item& it, const std::vector<Partial>& parts) const {
-    const int64_t D = p_.head_dim, n = int64_t(it.rows) * p_.num_q_heads, width = p_.num_q_heads * D;
-    QT* dst = out_ + (p_.cu[it.seq] + it.row0) * width;
-    for (int64_t i = 0; i < n; ++i) {
-      float largest = -std::numeric_limits<float>::infinity(), total = 0.0f;
-      for (const Partial& part : parts) largest = std::max(largest, part.max[i]);
-      alignas(64) float row[kMaxHeadDim] = {};
-      for (const Partial& part : parts) {
-        if (part.total[i] == 0.0f) continue;
-        const float w = std::exp(part.max[i] - largest);
-        total += w * part.total[i];
-        for (int64_t d = 0; d < D; ++d) row[d] += w * part.acc[i * D + d];
-      }
-      const float scale = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int64_t d = 0; d < D; ++d) FromF32(row[d] * scale, dst + i * D + d);
-    }
   }
 
  private:
@@ -375,11 +327,30 @@ class Attention {
   int64_t chunks_;
 };
 
-// Work items of all live sequences, most expensive first (better balance across threads).
-std::vector<Item> MakeItems(const Problem& p) {
-  // Rows per item: enough query vectors to reuse each K/V row many times, few enough that the
-  // item's queries and accumulators stay in L1 (64 vectors of 64 floats: 16 KB each).
-  const int64_t row_tile = std::clamp<int64_t>(kQueryVectors / p.num_q_heads, 1, 16);
+// The item's rows (one) and key parts (SplitKeys) combined into out: each part's sums scaled by
+// exp(its max - the largest max), then normalised. A row with no keys in any part is zeros.
+template <typename QT>
+void MergeParts(const Problem& p, QT* out, const Item& it, const std::vector<Partial>& parts) {
+  const int64_t D = p.head_dim, n = int64_t(it.rows) * p.num_q_heads, width = p.num_q_heads * D;
+  QT* dst = out + (p.cu[it.seq] + it.row0) * width;
+  for (int64_t i = 0; i < n; ++i) {
+    float largest = -std::numeric_limits<float>::infinity(), total = 0.0f;
+    for (const Partial& part : parts) largest = std::max(largest, part.max[i]);
+    alignas(64) float row[kMaxHeadDim] = {};
+    for (const Partial& part : parts) {
+      if (part.total[i] == 0.0f) continue;
+      const float w = std::exp(part.max[i] - largest);
+      total += w * part.total[i];
+      for (int64_t d = 0; d < D; ++d) row[d] += w * part.acc[i * D + d];
+    }
+    const float scale = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < D; ++d) FromF32(row[d] * scale, dst + i * D + d);
+  }
+}
+
+// Work items of all live sequences, each up to row_tile query rows, most expensive first
+// (better balance across threads).
+std::vector<Item> MakeItems(const Problem& p, int64_t row_tile) {
   std::vector<Item> items;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.cu[s + 1] - p.cu[s];
@@ -396,22 +367,26 @@ std::vector<Item> MakeItems(const Problem& p) {
   return items;
 }
 
+// Rows per item of the AVX-512 kernel: enough query vectors to reuse each K/V row many times, few
+// enough that the item's queries and accumulators stay in L1 (64 vectors of 64 floats: 16 KB each).
+int64_t RowTile(const Problem& p) { return std::clamp<int64_t>(kQueryVectors / p.num_q_heads, 1, 16); }
+
 // A lone decode row (batch 1) is one item, which XLA's pool would run on one thread: with at
 // least kSplitKeys keys it runs as two key parts instead, on the calling thread and the
 // HelperThread (awake from the step's products), then merged.
 constexpr int64_t kSplitKeys = 128;
 
-template <typename Attn>
+template <typename Attn, typename Local>
 struct SplitCall {
   const Attn* attention;
   std::vector<Item> parts;
-  mutable std::vector<Scratch> scratch;
+  mutable std::vector<Local> scratch;
   mutable std::vector<Partial> partials;
 };
 
-template <typename Attn>
+template <typename Attn, typename Local>
 void RunPart(const void* context, int64_t i) {
-  const auto& call = *static_cast<const SplitCall<Attn>*>(context);
+  const auto& call = *static_cast<const SplitCall<Attn, Local>*>(context);
   call.attention->Run(call.parts[i], call.scratch[i], &call.partials[i]);
 }
 
@@ -425,28 +400,27 @@ bool SplitsKeys(const Problem& p, const std::vector<Item>& items, int64_t* lo, i
   return *hi - *lo >= kSplitKeys;
 }
 
-template <typename Attn>
-void RunSplit(const Attn& attention, const Item& item, int64_t lo, int64_t hi) {
-  SplitCall<Attn> call{&attention, {item, item}, std::vector<Scratch>(2), std::vector<Partial>(2)};
-  const int64_t middle = lo + (hi - lo) / 2;
-  call.parts[0].part_hi = call.parts[1].part_lo = middle;
-  HelperThread::Run(RunPart<Attn>, &call, 2);
-  attention.MergeParts(item, call.partials);
+// The lone decode row `item` as two key parts of [lo, hi) on the calling thread and the helper,
+// then merged.
+template <typename Local, typename Attn, typename QT>
+void RunSplit(const Attn& attention, const Problem& p, QT* out, const Item& item, int64_t lo, int64_t hi) {
+  SplitCall<Attn, Local> call{&attention, {item, item}, std::vector<Local>(2), std::vector<Partial>(2)};
+  call.parts[0].part_hi = call.parts[1].part_lo = lo + (hi - lo) / 2;
+  HelperThread::Run(RunPart<Attn, Local>, &call, 2);
+  MergeParts(p, out, item, call.partials);
 }
 
-template <typename QT, typename KT, int kChunks>
-void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
-            void* out) {
-  QT* o = static_cast<QT*>(out);
+// Every item of the call through `attention` (AVX-512's Attention or AmxAttention, whose
+// per-thread buffers are Local), its output rows of type QT.
+template <typename Local, typename QT, typename Attn>
+void RunItemsOf(ffi::ThreadPool& pool, const Problem& p, const Attn& attention, int64_t row_tile, QT* out) {
   const int64_t row = p.num_q_heads * p.head_dim;
   const int64_t live_end = std::clamp<int64_t>(p.cu[p.num_seqs], 0, p.num_tokens);
-  std::fill(o + live_end * row, o + p.num_tokens * row, QT(0));  // padding rows
-  auto items = std::make_shared<std::vector<Item>>(MakeItems(p));
-  Attention<QT, KT, kChunks> attention(p, static_cast<const QT*>(q), static_cast<const KT*>(k),
-                              static_cast<const KT*>(v), o);
+  std::fill(out + live_end * row, out + p.num_tokens * row, QT(0));  // padding rows
+  auto items = std::make_shared<std::vector<Item>>(MakeItems(p, row_tile));
   int64_t lo, hi;
-  if (SplitsKeys(p, *items, &lo, &hi)) return RunSplit(attention, items->front(), lo, hi);
-  jaxrunner_cpu::RunItems<Scratch>(pool, int64_t(items->size()), [items, attention](int64_t i, Scratch& scratch) {
+  if (SplitsKeys(p, *items, &lo, &hi)) return RunSplit<Local>(attention, p, out, items->front(), lo, hi);
+  jaxrunner_cpu::RunItems<Local>(pool, int64_t(items->size()), [items, attention](int64_t i, Local& scratch) {
     attention.Run((*items)[i], scratch);
   });
 }
@@ -454,9 +428,64 @@ void RunAll(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* 
 template <typename QT, typename KT>
 void RunForHeadDim(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
                    void* out) {
-  if (p.head_dim == 64) RunAll<QT, KT, 4>(pool, p, q, k, v, out);
-  else if (p.head_dim == 128) RunAll<QT, KT, 8>(pool, p, q, k, v, out);
-  else RunAll<QT, KT, 0>(pool, p, q, k, v, out);
+  const auto run = [&](auto chunks) {
+    const Attention<QT, KT, decltype(chunks)::value> attention(
+        p, static_cast<const QT*>(q), static_cast<const KT*>(k), static_cast<const KT*>(v), static_cast<QT*>(out));
+    RunItemsOf<Scratch>(pool, p, attention, RowTile(p), static_cast<QT*>(out));
+  };
+  if (p.head_dim == 64) run(std::integral_constant<int, 4>{});
+  else if (p.head_dim == 128) run(std::integral_constant<int, 8>{});
+  else run(std::integral_constant<int, 0>{});
+}
+
+// Whether bf16 queries and pages run on AMX tiles here (attention_amx.h), when `tiles` asks.
+bool RunsOnTiles(const Problem& p, bool tiles) {
+#if JAXRUNNER_AMX_ATTENTION
+  return tiles && AmxAttentionFits(p);
+#else
+  (void)p, (void)tiles;
+  return false;
+#endif
+}
+
+#if JAXRUNNER_AMX_ATTENTION
+// Both kinds of items of one call: a decode row (one query row) stays on the AVX-512 kernel, where
+// reading its K/V rows from memory, not multiplying them, sets the pace (on tiles it ran no
+// faster); query rows of prefill chunks go to the tiles, which multiply them several times faster.
+struct MixedScratch {
+  Scratch rows;
+  AmxScratch tiles;
+};
+
+template <int kChunks>
+void RunMixed(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v, void* out) {
+  const auto* qb = static_cast<const uint16_t*>(q);
+  const auto *kb = static_cast<const uint16_t*>(k), *vb = static_cast<const uint16_t*>(v);
+  auto* o = static_cast<uint16_t*>(out);
+  const Attention<uint16_t, uint16_t, kChunks> rows(p, qb, kb, vb, o);
+  const AmxAttention tiles(p, qb, kb, vb, o);
+  const int64_t row = p.num_q_heads * p.head_dim;
+  const int64_t live_end = std::clamp<int64_t>(p.cu[p.num_seqs], 0, p.num_tokens);
+  std::fill(o + live_end * row, o + p.num_tokens * row, uint16_t(0));  // padding rows
+  auto items = std::make_shared<std::vector<Item>>(MakeItems(p, AmxRowTile(p)));
+  int64_t lo, hi;
+  if (SplitsKeys(p, *items, &lo, &hi)) return RunSplit<Scratch>(rows, p, o, items->front(), lo, hi);
+  jaxrunner_cpu::RunItems<MixedScratch>(pool, int64_t(items->size()), [items, rows, tiles](int64_t i, MixedScratch& scratch) {
+    const Item& item = (*items)[i];
+    if (item.rows == 1) rows.Run(item, scratch.rows);
+    else tiles.Run(item, scratch.tiles);
+  });
+}
+#endif
+
+void RunOnTiles(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v, void* out) {
+#if JAXRUNNER_AMX_ATTENTION
+  if (p.head_dim == 64) RunMixed<4>(pool, p, q, k, v, out);
+  else if (p.head_dim == 128) RunMixed<8>(pool, p, q, k, v, out);
+  else RunMixed<0>(pool, p, q, k, v, out);
+#else
+  (void)pool, (void)p, (void)q, (void)k, (void)v, (void)out;
+#endif
 }
 
 bool ValidProblem(const Problem& p) {
@@ -469,7 +498,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                           ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out,
-                          float sm_scale, float soft_cap, int64_t sliding_window) {
+                          float sm_scale, float soft_cap, int64_t sliding_window, int64_t tiles) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("paged attention: bad shapes");
@@ -488,6 +517,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
   if (v_pages.element_type() != kt)
     return ffi::Error::InvalidArgument("paged attention: k and v pages must share a dtype");
+  if (qt == ffi::DataType::BF16 && kt == ffi::DataType::BF16 && RunsOnTiles(p, tiles != 0)) {
+    RunOnTiles(pool, p, qp, kp, vp, op);
+    return ffi::Error::Success();
+  }
   auto run = [&](auto page_type) {
     using KT = decltype(page_type);
     if (q32) RunForHeadDim<float, KT>(pool, p, qp, kp, vp, op);
@@ -587,4 +620,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrunnerCpuPagedAttention, PagedAttention,
                                   .Ret<ffi::AnyBuffer>()        // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("sliding_window"));
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<int64_t>("tiles"));   // 1: bf16 on AMX tiles where it fits
+
+// 1 where this build has the AMX-BF16 attention and the kernel grants AMX to the process (for ctypes).
+extern "C" int JaxrunnerCpuAttentionTilesReady() {
+#if JAXRUNNER_AMX_ATTENTION
+  return AmxGranted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}

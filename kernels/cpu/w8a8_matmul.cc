@@ -38,9 +38,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define JAXRUNNER_AMX_INT8 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #else
 #define JAXRUNNER_AMX_INT8 0
 #endif
@@ -59,29 +57,7 @@ constexpr int64_t kBlocksPerItem = 4;  // 64 outputs per item shared with the he
 
 #if JAXRUNNER_AMX_INT8
 
-bool AmxReady() {
-  static const bool ready = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void ConfigureTiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+bool AmxReady() { return AmxGranted(); }
 
 template <typename XT>
 struct Problem {
