@@ -8,8 +8,8 @@
 // One work item (a sequence's tile of query rows, all heads), as four passes over its keys from
 // `c0` (the first key rounded down to 16, so that 16 keys are 16 rows of one page):
 //  * Columns. The item's query vectors grouped by kv head in blocks of 16 columns: several kv
-//    heads share a block where their vectors fit (a decode row of SmolLM2's 9 query heads is one
-//    block), and a head with more than 16 vectors takes whole blocks of its own.
+//    heads share a block where their vectors fit (a chunk's last, shorter item), and a head with
+//    more than 16 vectors takes whole blocks of its own.
 //  * Scores, key-major: C [16 keys][16 columns] = sum over the block's kv heads h of
 //    K_h [16 keys][32 dims] . Q_h^T, where Q_h^T holds head h's columns and zeros in the others;
 //    K's tile is read straight out of the page at its row stride, Q^T in AMX's pairs form (a pair
@@ -38,6 +38,7 @@
 
 #include "amx.h"
 #include "attention_problem.h"
+#include "transpose.h"
 #include "vec.h"
 
 namespace jaxrunner_cpu {
@@ -60,51 +61,21 @@ struct AmxScratch {
   std::vector<uint32_t> p_t;         // [heads a block, key blocks of 32, 16 columns, 16 pairs]: P_h
   std::vector<float> o;              // [16 columns, D]: one block's P @ V
   std::vector<int32_t> first, last;  // [columns]: each column's keys, relative to c0
-  std::vector<float> max, total;     // [columns]: the largest dot, the sum of the probabilities
+  std::vector<float> total;          // [columns]: the sum of the probabilities
 };
-
-// r[j] lane l <- r[l] lane j, for 16 vectors of 16 32-bit lanes.
-inline void TransposeDwords16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {  // u[4k + c], 128-bit lane L: column 4L + c of rows 4k .. 4k + 3
-    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i even_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), odd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xDD);
-    r[4 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xDD);
-  }
-}
 
 class AmxAttention {
  public:
   AmxAttention(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out)
       : p_(p), q_(q), k_(k), v_(v), out_(out) {}
 
-  void Run(const Item& it, AmxScratch& sc, Partial* partial = nullptr) const {
+  void Run(const Item& it, AmxScratch& sc) const {
     const Shape sh = MakeShape(it);
     Ranges(it, sh, sc);
-    sc.max.assign(sh.cols, -std::numeric_limits<float>::infinity());
     sc.total.assign(sh.cols, 0.0f);
-    if (partial != nullptr) {
-      const int64_t n = int64_t(it.rows) * p_.num_q_heads;
-      partial->acc.assign(n * p_.head_dim, 0.0f);
-      partial->max.assign(n, -std::numeric_limits<float>::infinity());
-      partial->total.assign(n, 0.0f);
-    }
     if (sh.keys == 0) {  // nothing to attend to: zeros
       sc.o.assign(16 * p_.head_dim, 0.0f);
-      for (int64_t b = 0; b < sh.blocks; ++b) Write(it, sh, b, sc, partial);
+      for (int64_t b = 0; b < sh.blocks; ++b) Write(it, sh, b, sc);
       return;
     }
     sc.o.resize(16 * p_.head_dim);
@@ -115,7 +86,7 @@ class AmxAttention {
     ValueTiles(it, sh, sc);
     for (int64_t b = 0; b < sh.blocks; ++b) {
       Values(sh, b, sc);
-      Write(it, sh, b, sc, partial);
+      Write(it, sh, b, sc);
     }
     _tile_release();
   }
@@ -141,8 +112,6 @@ class AmxAttention {
     const int64_t kv = std::clamp<int64_t>(p_.kv_lens[it.seq], 0, p_.width * p_.page_size);
     sh.pos0 = kv - q_len + it.row0;
     KeyRange(p_, kv, sh.pos0, it.rows, &sh.lo, &sh.hi);
-    sh.lo = std::max(sh.lo, it.part_lo);
-    sh.hi = std::min(sh.hi, it.part_hi);
     sh.c0 = sh.lo - sh.lo % 16;
     sh.keys = sh.hi > sh.lo ? sh.hi - sh.c0 : 0;
     sh.chunks = (sh.keys + 15) / 16;
@@ -254,8 +223,8 @@ class AmxAttention {
     }
   }
 
-  // Block b's dots -> probabilities rounded to bf16 (zero outside each column's keys), with each
-  // column's largest dot and the sum of its probabilities.
+  // Block b's dots -> probabilities rounded to bf16 (zero outside each column's keys), and each
+  // column's sum of them.
   void Softmax(const Shape& sh, int64_t b, AmxScratch& sc) const {
     const __m512i first = _mm512_loadu_si512(sc.first.data() + 16 * b), last = _mm512_loadu_si512(sc.last.data() + 16 * b);
     const int64_t begin = _mm512_reduce_min_epi32(first), end = _mm512_reduce_max_epi32(last);
@@ -278,7 +247,6 @@ class AmxAttention {
       sum = _mm512_add_ps(sum, p);
       _mm512_storeu_ps(row, p);
     }
-    _mm512_storeu_ps(sc.max.data() + 16 * b, m);
     _mm512_storeu_ps(sc.total.data() + 16 * b, sum);
   }
 
@@ -337,7 +305,7 @@ class AmxAttention {
         const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(even + sh.cols), _mm512_loadu_ps(even));
         pairs[j] = _mm512_permutexvar_epi16(interleave, (__m512i)both);
       }
-      TransposeDwords16(pairs);
+      Transpose16(pairs);
       for (int64_t slot = 0; slot < heads; ++slot)
         for (int c = 0; c < 16; ++c)
           _mm512_storeu_si512(sc.p_t.data() + (slot * sh.key_blocks + kb) * 256 + c * 16,
@@ -385,23 +353,14 @@ class AmxAttention {
     }
   }
 
-  // Block b's columns written out: normalised into out, or kept as a part's sums.
-  void Write(const Item& it, const Shape& sh, int64_t b, const AmxScratch& sc, Partial* partial) const {
+  // Block b's columns normalised into out.
+  void Write(const Item& it, const Shape& sh, int64_t b, const AmxScratch& sc) const {
     const int64_t D = p_.head_dim, Hq = p_.num_q_heads;
     for (int64_t c = 0; c < 16; ++c) {
       int64_t r, slot;
       const int64_t head = Vector(sh, b, c, &r, &slot);
       if (head < 0) continue;
-      const int64_t col = 16 * b + c;
-      const float total = sc.total[col];
-      const float* o = sc.o.data() + c * D;
-      if (partial != nullptr) {
-        const int64_t i = r * Hq + head;
-        if (total > 0.0f || std::isnan(total)) std::memcpy(partial->acc.data() + i * D, o, D * sizeof(float));
-        partial->max[i] = sc.max[col] * p_.sm_scale;
-        partial->total[i] = total;
-        continue;
-      }
+      const float total = sc.total[16 * b + c], *o = sc.o.data() + c * D;
       uint16_t* dst = out_ + ((p_.cu[it.seq] + it.row0 + r) * Hq + head) * D;
       const F16 scale = Splat(total > 0.0f || std::isnan(total) ? 1.0f / total : 0.0f);
       for (int64_t d = 0; d < D; d += kLanes) Store(Load(o + d) * scale, dst + d);
