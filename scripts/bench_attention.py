@@ -8,6 +8,11 @@ bandwidth as a fraction of a measured device copy (read + write of one large buf
     python scripts/bench_attention.py                       # small CPU defaults, ~1 minute
     python scripts/bench_attention.py --num-seqs 64 --kv-min 256 --kv-max 512 --json out.json
     python scripts/bench_attention.py --impls xla --sweep-block-q   # re-fit the XLA block size
+    python scripts/bench_attention.py --impls native,native_avx512 --dtype bfloat16 --layers 30
+
+``native_avx512`` is the native kernel with bf16 kept off AMX tiles (``tiles=False``): beside
+``native`` it shows what the tiles give on a CPU with AMX. ``--layers N`` chains N calls, each on
+its own pools, so that K/V come from memory as in a model's step rather than from cache.
 
 Pallas is skipped where it would only be interpreted (CPU) unless --pallas-interpret is given.
 """
@@ -24,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _bench_common as common
 from jaxrunner import kernels
+from jaxrunner.kernels import native
 from jaxrunner.kernels.testing import make_case
 
 
@@ -96,6 +103,8 @@ def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
 
 
 def attention_fn(impl, sm_scale, **extra):
+    if impl == "native_avx512":
+        return functools.partial(native.ragged_paged_attention_native, sm_scale=sm_scale, tiles=False)
     if impl == "xla" and extra:
         from jaxrunner.kernels.xla import ragged_paged_attention_xla
         return jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=sm_scale, **extra))
@@ -107,14 +116,30 @@ def attention_fn(impl, sm_scale, **extra):
                                      impl=impl))
 
 
-def run_one(impl, name, case, *, iters, copy_gbps, extra=None, min_time=0.0):
+def layered(fn, layers: int):
+    """``fn`` called ``layers`` times in one jit, each call on its own K/V pools (the batch's q,
+    page table and lengths shared), the output of one the queries of the next."""
+    def chained(q, k_pools, v_pools, *batch):
+        for k_pages, v_pages in zip(k_pools, v_pools):
+            q = fn(q, k_pages, v_pages, *batch)
+        return q
+    return jax.jit(chained)
+
+
+def run_one(impl, name, cases, *, iters, copy_gbps, extra=None, min_time=0.0):
+    """``cases``: one per layer, the first one's batch used for all."""
+    case = cases[0]
     args = [jax.device_put(a) for a in case.args()]
     fn = attention_fn(impl, case.q.shape[2] ** -0.5, **(extra or {}))
+    if len(cases) > 1:
+        args = [args[0], [jax.device_put(c.k_pages) for c in cases], [jax.device_put(c.v_pages) for c in cases],
+                *args[3:]]
+    fn = layered(fn, len(cases)) if len(cases) > 1 else jax.jit(fn)
     med, best = time_fn(fn, args, iters=iters, min_time=min_time)
-    nbytes = bytes_moved(case)
+    nbytes = bytes_moved(case) * len(cases)
     rec = dict(impl=impl, shape=name, num_seqs=len(case.q_lens), tokens=case.num_live_tokens,
                padded_tokens=int(case.q.shape[0]), kv_tokens=int(sum(case.live_kv_lens)),
-               page_table_width=int(case.page_indices.shape[1]),
+               page_table_width=int(case.page_indices.shape[1]), layers=len(cases),
                time_ms=med * 1e3, best_ms=best * 1e3,
                tokens_per_s=case.num_live_tokens / med, bytes=nbytes,
                gbps=nbytes / med / 1e9, copy_gbps=copy_gbps,
@@ -142,7 +167,7 @@ def print_table(records):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--impls", default="reference,xla,native,pallas")
+    p.add_argument("--impls", default="reference,xla,native,native_avx512,pallas")
     p.add_argument("--shapes", default="decode,prefill,mixed")
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--kv-min", type=int, default=256)
@@ -154,6 +179,7 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--layers", type=int, default=1, help="calls per timing, each on its own K/V pools")
     p.add_argument("--min-time", type=float, default=0.0, help="seconds of timing per case")
     p.add_argument("--copy-mb", type=int, default=64, help="buffer size of the copy benchmark")
     p.add_argument("--pallas-interpret", action="store_true",
@@ -175,28 +201,28 @@ def main(argv=None):
     impls = [i for i in args.impls.split(",") if i]
     records = []
     for name, (q_lens, kv_lens) in shape_batches(args, rng).items():
-        case = make_inputs(args, q_lens, kv_lens, rng)
+        cases = [make_inputs(args, q_lens, kv_lens, rng) for _ in range(max(1, args.layers))]
         for impl in impls:
             if impl == "pallas" and backend == "cpu" and not args.pallas_interpret:
                 continue
-            if impl == "native" and backend != "cpu":  # the native kernel is a CPU custom call
+            if impl.startswith("native") and backend != "cpu":  # the native kernel is a CPU custom call
                 continue
             if args.sweep_block_q and impl == "xla":
                 bq = 1
-                while bq <= min(128, case.q.shape[0]):
-                    records.append(run_one(impl, name, case, iters=args.iters,
+                while bq <= min(128, cases[0].q.shape[0]):
+                    records.append(run_one(impl, name, cases, iters=args.iters,
                                            copy_gbps=copy_gbps, extra=dict(block_q=bq),
                                            min_time=args.min_time))
                     bq *= 2
                 continue
-            records.append(run_one(impl, name, case, iters=args.iters, copy_gbps=copy_gbps,
+            records.append(run_one(impl, name, cases, iters=args.iters, copy_gbps=copy_gbps,
                                    min_time=args.min_time))
             r = records[-1]
             print(f"  {impl:>9s} {name:>8s}: {r['time_ms']:9.3f} ms  {r['gbps']:7.2f} GB/s",
                   flush=True)
     print()
     print_table(records)
-    result = dict(backend=backend, device=jax.devices()[0].device_kind,
+    result = dict(backend=backend, device=jax.devices()[0].device_kind, machine=common.device_info(),
                   jax_version=jax.__version__, copy_gbps=copy_gbps, args=vars(args),
                   records=records)
     if args.json:
