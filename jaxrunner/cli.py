@@ -277,6 +277,15 @@ def _cpu_features() -> str:
     return features if cap is None else f"{features} (capped: JAXRUNNER_CPU_MAX_ISA={cap})"
 
 
+def _attention_tiles(platform: str) -> str:
+    """Whether the native CPU attention runs bf16 prefill rows on AMX-BF16 tiles here."""
+    from jaxrunner.kernels import native
+
+    if platform == "cpu" and native.attention_tiles_ready():
+        return "bf16 prefill rows on AMX-BF16 tiles"
+    return "no (needs the native CPU kernel, AMX-BF16 and the OS's grant of AMX)"
+
+
 def cmd_info(args) -> int:
     import jax  # lazy: the CLI loads JAX only for commands that ask it about devices or run a model
 
@@ -290,6 +299,7 @@ def cmd_info(args) -> int:
             "cpu_count": os.cpu_count(), "cpu_features": _cpu_features(),
             "attention_impl": kernels.resolve_impl("auto", device.platform),
             "native_cpu_kernel": kernels.capabilities(device.platform).native_cpu_status,
+            "native_attention_tiles": _attention_tiles(device.platform),
             "cpu_matmul": kernels.choose_matmuls("auto", device.platform)[1],
             "default_model": f"{DEFAULT_MODEL}: {default_model}",
             "compilation_cache_dir": EngineConfig().compilation_cache_dir}

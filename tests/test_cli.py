@@ -19,6 +19,7 @@ import pytest
 from conftest import requires_smollm2
 from engine_helpers import COMPILE_CACHE
 from jaxrunner import kernels
+from jaxrunner.kernels import native
 from jaxrunner.runner.buckets import BucketPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,7 @@ def test_info():
     info = json.loads(_ok(jaxrunner("info", "--json")).stdout)
     assert info["backend"] == "cpu" and info["attention_impl"] in ("native", "xla")
     assert info["native_cpu_kernel"] == "ready" or info["attention_impl"] == "xla"
+    assert info["native_attention_tiles"].startswith("bf16") == native.attention_tiles_ready()
     assert info["compilation_cache_dir"] == COMPILE_CACHE
     assert info["cpu_features"].split(" (capped")[0] == (", ".join(kernels.cpu_features()) or
                                                          "none of those the kernels use")
