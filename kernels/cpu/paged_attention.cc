@@ -449,12 +449,24 @@ bool RunsOnTiles(const Problem& p, bool tiles) {
 }
 
 #if JAXRUNNER_AMX_ATTENTION
-// Both kinds of items of one call: a decode row (one query row) stays on the AVX-512 kernel, where
-// reading its K/V rows from memory, not multiplying them, sets the pace (on tiles it ran no
-// faster); query rows of prefill chunks go to the tiles, which multiply them several times faster.
 struct MixedScratch {
   Scratch rows;
   AmxScratch tiles;
+};
+
+// Both kinds of items of one call: a decode row (an item of one query row, and the key parts of a
+// lone one) stays on the AVX-512 kernel, where reading its K/V rows from memory, not multiplying
+// them, sets the pace (on tiles it ran no faster); query rows of prefill chunks go to the tiles,
+// which multiply them several times faster.
+template <int kChunks>
+struct MixedAttention {
+  Attention<uint16_t, uint16_t, kChunks> rows;
+  AmxAttention tiles;
+
+  void Run(const Item& it, MixedScratch& sc, Partial* partial = nullptr) const {
+    if (it.rows == 1) rows.Run(it, sc.rows, partial);
+    else tiles.Run(it, sc.tiles);
+  }
 };
 
 template <int kChunks>
@@ -462,19 +474,8 @@ void RunMixed(ffi::ThreadPool& pool, const Problem& p, const void* q, const void
   const auto* qb = static_cast<const uint16_t*>(q);
   const auto *kb = static_cast<const uint16_t*>(k), *vb = static_cast<const uint16_t*>(v);
   auto* o = static_cast<uint16_t*>(out);
-  const Attention<uint16_t, uint16_t, kChunks> rows(p, qb, kb, vb, o);
-  const AmxAttention tiles(p, qb, kb, vb, o);
-  const int64_t row = p.num_q_heads * p.head_dim;
-  const int64_t live_end = std::clamp<int64_t>(p.cu[p.num_seqs], 0, p.num_tokens);
-  std::fill(o + live_end * row, o + p.num_tokens * row, uint16_t(0));  // padding rows
-  auto items = std::make_shared<std::vector<Item>>(MakeItems(p, AmxRowTile(p)));
-  int64_t lo, hi;
-  if (SplitsKeys(p, *items, &lo, &hi)) return RunSplit<Scratch>(rows, p, o, items->front(), lo, hi);
-  jaxrunner_cpu::RunItems<MixedScratch>(pool, int64_t(items->size()), [items, rows, tiles](int64_t i, MixedScratch& scratch) {
-    const Item& item = (*items)[i];
-    if (item.rows == 1) rows.Run(item, scratch.rows);
-    else tiles.Run(item, scratch.tiles);
-  });
+  const MixedAttention<kChunks> attention{{p, qb, kb, vb, o}, {p, qb, kb, vb, o}};
+  RunItemsOf<MixedScratch>(pool, p, attention, AmxRowTile(p), o);
 }
 #endif
 
