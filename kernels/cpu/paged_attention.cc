@@ -23,6 +23,9 @@
 // decode row (batch 1) splits its keys in two parts instead, merged by their softmax sums
 // (RunSplit): one item would keep one core idle.
 //
+// On a CPU with AMX, bf16 queries and pages take the query rows of prefill chunks to AMX-BF16
+// tiles instead (attention_amx.h, MixedAttention below); decode rows stay here.
+//
 // Measured (2-core AMD EPYC, AVX-512, SmolLM2 heads 9/3 x 64, page 16, f32, min of 40; XLA path
 // in brackets): 64 decodes of kv 150..400 2.0 ms [5.5]; 4 prefills of 256 tokens 3.2 ms [13];
 // 60 decodes + 4 chunks of 128 tokens 5.3 ms [40]. Decode's floor at ~20 GB/s is ~1.4 ms.
