@@ -279,9 +279,7 @@ def _cpu_features() -> str:
 
 def _attention_tiles(platform: str) -> str:
     """Whether the native CPU attention runs bf16 prefill rows on AMX-BF16 tiles here."""
-    from jaxrunner.kernels import native
-
-    if platform == "cpu" and native.attention_tiles_ready():
+    if platform == "cpu" and kernels.attention_tiles_ready():
         return "bf16 prefill rows on AMX-BF16 tiles"
     return "no (needs the native CPU kernel, AMX-BF16 and the OS's grant of AMX)"
 

@@ -44,6 +44,7 @@ else:
         "logprob_stats_native": "native",
         # the CPU's flags as the kernels are built and chosen for (JAXRUNNER_CPU_MAX_ISA caps them)
         "cpu_flags": "cpu_isa", "cpu_features": "native", "max_isa": "cpu_isa",
+        "attention_tiles_ready": "native",  # bf16 prefill attention on AMX tiles here
         "onednn_matmul": "onednn", "onednn_pack": "onednn", "onednn_unpack": "onednn",
         "onednn_quant_matmul": "onednn", "onednn_panel_matmul": "onednn",
         "OnednnPackedWeight": "onednn",
