@@ -441,16 +441,6 @@ void RunForHeadDim(ffi::ThreadPool& pool, const Problem& p, const void* q, const
   else run(std::integral_constant<int, 0>{});
 }
 
-// Whether bf16 queries and pages run on AMX tiles here (attention_amx.h), when `tiles` asks.
-bool RunsOnTiles(const Problem& p, bool tiles) {
-#if JAXRUNNER_AMX_ATTENTION
-  return tiles && AmxAttentionFits(p);
-#else
-  (void)p, (void)tiles;
-  return false;
-#endif
-}
-
 #if JAXRUNNER_AMX_ATTENTION
 struct MixedScratch {
   Scratch rows;
@@ -482,13 +472,19 @@ void RunMixed(ffi::ThreadPool& pool, const Problem& p, const void* q, const void
 }
 #endif
 
-void RunOnTiles(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v, void* out) {
+// bf16 queries and pages on AMX tiles (attention_amx.h) where `tiles` asks and the tiles take the
+// problem; false leaves the call to the AVX-512 kernel.
+bool RanOnTiles(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v, void* out,
+                bool tiles) {
 #if JAXRUNNER_AMX_ATTENTION
+  if (!tiles || !AmxAttentionFits(p)) return false;
   if (p.head_dim == 64) RunMixed<4>(pool, p, q, k, v, out);
   else if (p.head_dim == 128) RunMixed<8>(pool, p, q, k, v, out);
   else RunMixed<0>(pool, p, q, k, v, out);
+  return true;
 #else
-  (void)pool, (void)p, (void)q, (void)k, (void)v, (void)out;
+  (void)pool, (void)p, (void)q, (void)k, (void)v, (void)out, (void)tiles;
+  return false;
 #endif
 }
 
@@ -521,10 +517,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
   if (v_pages.element_type() != kt)
     return ffi::Error::InvalidArgument("paged attention: k and v pages must share a dtype");
-  if (qt == ffi::DataType::BF16 && kt == ffi::DataType::BF16 && RunsOnTiles(p, tiles != 0)) {
-    RunOnTiles(pool, p, qp, kp, vp, op);
+  if (qt == ffi::DataType::BF16 && kt == ffi::DataType::BF16 && RanOnTiles(pool, p, qp, kp, vp, op, tiles != 0))
     return ffi::Error::Success();
-  }
   auto run = [&](auto page_type) {
     using KT = decltype(page_type);
     if (q32) RunForHeadDim<float, KT>(pool, p, qp, kp, vp, op);
