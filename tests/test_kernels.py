@@ -186,15 +186,18 @@ def test_native_lone_decode_split_over_its_keys(kv_len, attn, dtype):
                      num_tokens=2, max_seqs=2, dtype=dtype, scale=2.0)
     check(_jit_native(tuple(sorted(attn.items())))(*case.args()), case, dtype, sm_scale=0.3, **attn)
 
+
 # name -> (q_lens, kv_lens, make_case kwargs) for bf16 on AMX tiles: prefill chunks of several rows
-# (the tiles' items) beside decode rows, kv heads sharing a block of 16 columns or taking several,
-# pages of 16 and 32 rows, every head size the tiles take, lengths off the 16-key chunks.
+# (the tiles' items) beside decode rows, kv heads sharing a block of 16 columns or taking several
+# (groups of 16 and 32), pages of 16 and 32 rows, every head size the tiles take, lengths off the
+# 16-key chunks.
 TILE_SHAPES = {
     "smollm2": ([1, 1, 9, 40, 1], [1, 300, 16, 40, 17], dict(page_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)),
     "chunked": ([5, 12, 1, 7], [21, 12, 40, 8], dict(page_size=32, num_q_heads=8, num_kv_heads=2, head_dim=128)),
     "mha": ([3, 1, 20], [50, 33, 20], dict(page_size=16, num_q_heads=4, num_kv_heads=4, head_dim=96)),
     "group8": ([2, 1, 17], [70, 129, 17], dict(page_size=16, num_q_heads=16, num_kv_heads=2, head_dim=256)),
     "group16": ([2, 1, 33], [70, 40, 33], dict(page_size=16, num_q_heads=16, num_kv_heads=1, head_dim=64)),
+    "group32": ([5, 1, 40], [60, 33, 40], dict(page_size=16, num_q_heads=32, num_kv_heads=1, head_dim=64)),
     "padded": ([1, 1, 6, 1, 10], [17, 3, 30, 64, 10],
                dict(page_size=16, num_q_heads=12, num_kv_heads=4, head_dim=128, num_tokens=32, max_seqs=8, width=6)),
 }

@@ -46,7 +46,7 @@ namespace jaxrunner_cpu {
 // Whether the tile kernel takes this problem (the caller checks the dtypes).
 inline bool AmxAttentionFits(const Problem& p) {
   return AmxGranted() && p.page_size % 16 == 0 && p.head_dim % 32 == 0 && p.head_dim <= 256 &&
-         p.soft_cap <= 0 && p.sm_scale > 0 && p.group <= 16;
+         p.soft_cap <= 0 && p.sm_scale > 0;
 }
 
 // Query rows per work item: one block of 16 columns per kv head when the group fits, and at least
