@@ -191,6 +191,11 @@ JAXRUNNER_INLINE_AVX512_BF16 void DequantizePanelRun(const __m512i* run, __m512 
   }
 }
 
+// How far ahead of the run being unpacked a panel's codes are prefetched (into L2). Without it the
+// unpacking waited on each line of codes: half of its samples sat on the load, and an int8 1B-model
+// product of 64 rows spent more of its time unpacking than multiplying.
+constexpr int64_t kPanelPrefetchBytes = 4096;
+
 template <bool kInt4, bool kF16>
 JAXRUNNER_AVX512_BF16 void DequantizePanelBlocks(const QuantView& w, int64_t n0, int64_t width, uint16_t* tile) {
   constexpr int64_t kRunBytes = kInt4 ? 256 : 512;  // a panel's run: sixteen outputs' codes of 32 inputs
@@ -209,6 +214,9 @@ JAXRUNNER_AVX512_BF16 void DequantizePanelBlocks(const QuantView& w, int64_t n0,
                                                               panel * runs * kRunBytes);
       __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
       for (int64_t kb = 0; kb < runs; ++kb, out += kTileColumns * kTileInputs / 2) {
+        // the panels lie one after another, so past this panel's end come the next one's codes
+        const char* ahead = reinterpret_cast<const char*>(codes + kb * kRunBytes / 64) + kPanelPrefetchBytes;
+        for (int64_t at = 0; at < kRunBytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T1);
         if (kb % runs_per_group == 0) {  // groups are whole runs
           const int64_t index = panel * w.groups + kb / runs_per_group;
           scale = PanelLanes<kF16>(w.scales, index);
