@@ -238,7 +238,6 @@ def test_native_attention_tiles_where_the_cpu_has_amx_bf16():
     assert native.attention_tiles_ready() == ("amx_bf16" in native.cpu_features() and native.w8a8_matmul_ready())
 
 
-
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("group,page_size,head_dim", [(3, 16, 64), (8, 8, 128), (1, 32, 64)])
 def test_pallas_gqa_and_pages(impl, group, page_size, head_dim):

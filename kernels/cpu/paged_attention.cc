@@ -428,17 +428,23 @@ void RunItemsOf(ffi::ThreadPool& pool, const Problem& p, const Attn& attention, 
   });
 }
 
+// fn(std::integral_constant<int, kChunks>) for the head size: the AVX-512 kernel's loops are
+// unrolled for 64 dims (4 chunks of 16) and 128 (8); 0 runs any other size.
+template <typename Fn>
+void WithChunks(int64_t head_dim, Fn fn) {
+  if (head_dim == 64) fn(std::integral_constant<int, 4>{});
+  else if (head_dim == 128) fn(std::integral_constant<int, 8>{});
+  else fn(std::integral_constant<int, 0>{});
+}
+
 template <typename QT, typename KT>
 void RunForHeadDim(ffi::ThreadPool& pool, const Problem& p, const void* q, const void* k, const void* v,
                    void* out) {
-  const auto run = [&](auto chunks) {
+  WithChunks(p.head_dim, [&](auto chunks) {
     const Attention<QT, KT, decltype(chunks)::value> attention(
         p, static_cast<const QT*>(q), static_cast<const KT*>(k), static_cast<const KT*>(v), static_cast<QT*>(out));
     RunItemsOf<Scratch>(pool, p, attention, RowTile(p), static_cast<QT*>(out));
-  };
-  if (p.head_dim == 64) run(std::integral_constant<int, 4>{});
-  else if (p.head_dim == 128) run(std::integral_constant<int, 8>{});
-  else run(std::integral_constant<int, 0>{});
+  });
 }
 
 #if JAXRUNNER_AMX_ATTENTION
@@ -478,9 +484,7 @@ bool RanOnTiles(ffi::ThreadPool& pool, const Problem& p, const void* q, const vo
                 bool tiles) {
 #if JAXRUNNER_AMX_ATTENTION
   if (!tiles || !AmxAttentionFits(p)) return false;
-  if (p.head_dim == 64) RunMixed<4>(pool, p, q, k, v, out);
-  else if (p.head_dim == 128) RunMixed<8>(pool, p, q, k, v, out);
-  else RunMixed<0>(pool, p, q, k, v, out);
+  WithChunks(p.head_dim, [&](auto chunks) { RunMixed<decltype(chunks)::value>(pool, p, q, k, v, out); });
   return true;
 #else
   (void)pool, (void)p, (void)q, (void)k, (void)v, (void)out, (void)tiles;
