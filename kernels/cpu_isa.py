@@ -52,6 +52,40 @@ def machine_flags() -> frozenset[str]:
     return frozenset()
 
 
+# AMD families whose 256-bit vector instructions run as two 128-bit halves: 0x15 (Bulldozer to
+# Excavator), 0x16 (Jaguar, Puma), 0x17 below model 0x30 (Zen, Zen+; Zen 2 runs them whole) and
+# 0x18 (Hygon's Dhyana, a Zen).
+HALF_WIDTH_AMD = {0x15: 0x100, 0x16: 0x100, 0x17: 0x30, 0x18: 0x100}  # family -> the first model that is not
+
+
+@functools.cache
+def machine_model() -> tuple[str, int, int]:
+    """(vendor, family, model) of this CPU from /proc/cpuinfo; ("", -1, -1) where it is not readable."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    try:
+        return fields.get("vendor_id", ""), int(fields.get("cpu family", "-1")), int(fields.get("model", "-1"))
+    except ValueError:
+        return fields.get("vendor_id", ""), -1, -1
+
+
+def splits_256bit_vectors() -> bool:
+    """Whether this CPU runs each 256-bit vector instruction as two 128-bit halves (HALF_WIDTH_AMD):
+    a property of the machine, which ``JAXRUNNER_CPU_MAX_ISA`` does not change."""
+    vendor, family, model = machine_model()
+    return vendor in ("AuthenticAMD", "HygonGenuine") and 0 <= model < HALF_WIDTH_AMD.get(family, 0)
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags, less those ``JAXRUNNER_CPU_MAX_ISA`` hides."""
     cap = max_isa()

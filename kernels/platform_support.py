@@ -15,7 +15,7 @@ from typing import Mapping
 
 import jax
 
-from jaxrunner.kernels import jax_tpu, native, onednn
+from jaxrunner.kernels import cpu_isa, jax_tpu, native, onednn
 from jaxrunner.kernels.names import ATTENTION_IMPLS, CPU_MATMUL_CHOICES
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -54,19 +54,23 @@ XLA_WEIGHTS_NK = (
 )
 # From how many float32 rows weight-only products leave the native panel GEMMs (where the build
 # has them) for XLA's dot on a weight the kernel unpacks first, per CPU kind: (a CPU flag it has,
-# the rows; 0: never); the first row that matches applies (scripts/bench_matmul.py --quantization
-# int4 --dtypes float32, "native" against "unpacked"):
+# whether it splits 256-bit instructions in halves (cpu_isa.splits_256bit_vectors) or None for
+# either, the rows; 0: never); the first row that matches applies (scripts/bench_matmul.py
+# --quantization int4 --dtypes float32, "native" against "unpacked"):
 # * AVX512-VNNI (EPYC Zen 4): the integer panels (cpu/quant_gemm_vnni.h) ran 1.07-1.41x XLA's
 #   dot on the float weight itself at 1024 rows of SmolLM2's products (1.65-2.27x at 16), and
 #   1.11-1.35x XLA's dot on the unpacked weight, so never;
-# * AVX2 without AVX-512 (EPYC Zen 1): XLA's dot ran about an eighth faster than the eight-wide
-#   panels at 512 rows (SmolLM2's gate_up), even with them at 128 and 256, and unpacking costs a
-#   few percent of such a product.
+# * AVX2 on halves (EPYC Zen 1): XLA's dot ran about an eighth faster than the eight-wide panels
+#   at 512 rows (SmolLM2's gate_up), even with them at 128 and 256, and unpacking costs a few
+#   percent of such a product;
+# * AVX2 run whole (the Xeon with AMX under JAXRUNNER_CPU_MAX_ISA=avx2): the float32 panels ran
+#   0.63-0.85x the unpacked weight's product at 64 rows and 0.55-0.71x at 256, about even at 16;
+#   SmolLM2's int4 served 0.79x float32's throughput from 32 rows against 0.62x from 512.
 DEQUANTIZE_FLOAT_ROWS = (
-    ("avx512_vnni", 0),
-    ("avx2", 512),
+    ("avx512_vnni", None, 0),
+    ("avx2", True, 512),
+    ("avx2", False, 32),
 )
-
 
 @dataclasses.dataclass(frozen=True)
 class MatmulKernels:
@@ -288,9 +292,10 @@ def _xla_weights_nk() -> tuple[tuple[str, ...], int]:
 
 
 def _dequantize_float_rows() -> int:
-    """:data:`DEQUANTIZE_FLOAT_ROWS` for this CPU (the first row whose flag it has); 0 elsewhere."""
-    flags = set(native.cpu_features())
-    return next((rows for flag, rows in DEQUANTIZE_FLOAT_ROWS if flag in flags), 0)
+    """:data:`DEQUANTIZE_FLOAT_ROWS` for this CPU (the first row that matches it); 0 elsewhere."""
+    flags, halves = set(native.cpu_features()), cpu_isa.splits_256bit_vectors()
+    return next((rows for flag, on_halves, rows in DEQUANTIZE_FLOAT_ROWS
+                 if flag in flags and on_halves in (None, halves)), 0)
 
 
 def onednn_unavailable(platform: str = "cpu") -> str | None:

@@ -85,6 +85,26 @@ def test_weights_held_transposed_follow_the_cpu_kind(monkeypatch, flags, want):
     assert platform_support._xla_weights_nk() == want
 
 
+@pytest.mark.parametrize("flags, cpu, want", [
+    ({"avx2", "fma"}, ("AuthenticAMD", 0x17, 0x01), 512),   # Zen 1: 256-bit instructions in halves
+    ({"avx2", "fma"}, ("HygonGenuine", 0x18, 0x00), 512),   # Dhyana, a Zen 1
+    ({"avx2", "fma"}, ("AuthenticAMD", 0x17, 0x31), 32),    # Zen 2 runs them whole
+    ({"avx2", "fma"}, ("AuthenticAMD", 0x19, 0x01), 32),    # Zen 3
+    ({"avx2", "fma"}, ("GenuineIntel", 6, 0x55), 32),
+    ({"avx2", "fma", "avx512f", "avx512_vnni"}, ("AuthenticAMD", 0x19, 0x11), 0),  # VNNI panels: never
+    ({"avx2", "fma"}, ("", -1, -1), 32),                     # /proc/cpuinfo unreadable
+    (set(), ("GenuineIntel", 6, 0x55), 0),
+])
+def test_float_rows_leave_the_panels_by_cpu_kind(monkeypatch, flags, cpu, want):
+    """From how many float32 rows weight-only products go to XLA's dot is read off the CPU's flags
+    and, on AVX2, whether it splits 256-bit instructions in halves (the family and model)."""
+    from jaxrunner.kernels import cpu_isa, platform_support
+    monkeypatch.setattr(platform_support.native, "cpu_features", lambda: tuple(sorted(flags)))
+    monkeypatch.setattr(cpu_isa, "machine_model", lambda: cpu)
+    assert cpu_isa.splits_256bit_vectors() == (want == 512)
+    assert platform_support._dequantize_float_rows() == want
+
+
 def test_default_kv_cache_dtype_follows_the_capabilities():
     from jaxrunner.runner.startup import default_kv_cache_dtype
 
