@@ -39,17 +39,29 @@ def max_isa() -> str | None:
     return value
 
 
+def first_cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The ``key: value`` lines of the first processor in ``/proc/cpuinfo`` (or in ``cpuinfo``);
+    empty where it is not readable."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read(16384)
+        except OSError:
+            return {}
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
 @functools.cache
 def machine_flags() -> frozenset[str]:
     """The feature flags the kernel reports for this CPU (empty where /proc/cpuinfo is not readable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    fields = first_cpu_fields()
+    return frozenset((fields.get("flags") or fields.get("Features") or "").split())
 
 
 # AMD families whose 256-bit vector instructions run as two 128-bit halves: 0x15 (Bulldozer to
@@ -60,23 +72,10 @@ HALF_WIDTH_AMD = {0x15: 0x100, 0x16: 0x100, 0x17: 0x30, 0x18: 0x100}  # family -
 
 @functools.cache
 def machine_model() -> tuple[str, int, int]:
-    """(vendor, family, model) of this CPU from /proc/cpuinfo; ("", -1, -1) where it is not readable."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family", "model") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:  # the first processor's block is enough
-                    break
-    except OSError:
-        pass
-    try:
-        return fields.get("vendor_id", ""), int(fields.get("cpu family", "-1")), int(fields.get("model", "-1"))
-    except ValueError:
-        return fields.get("vendor_id", ""), -1, -1
+    """(vendor, family, model) of this CPU from /proc/cpuinfo; -1 for what it does not say (Arm)."""
+    fields = first_cpu_fields()
+    family, model = (fields.get(key, "") for key in ("cpu family", "model"))
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1, int(model) if model.isdigit() else -1
 
 
 def splits_256bit_vectors() -> bool:

@@ -65,12 +65,13 @@ XLA_WEIGHTS_NK = (
 #   percent of such a product;
 # * AVX2 run whole (the Xeon with AMX under JAXRUNNER_CPU_MAX_ISA=avx2): the float32 panels ran
 #   0.63-0.85x the unpacked weight's product at 64 rows and 0.55-0.71x at 256, about even at 16;
-#   SmolLM2's int4 served 0.79x float32's throughput from 32 rows against 0.62x from 512.
+#   SmolLM2's int4 served 0.80x float32's throughput from 32 rows against 0.64x from 512.
 DEQUANTIZE_FLOAT_ROWS = (
     ("avx512_vnni", None, 0),
     ("avx2", True, 512),
     ("avx2", False, 32),
 )
+
 
 @dataclasses.dataclass(frozen=True)
 class MatmulKernels:

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from jaxrunner.config import KV_CACHE_DTYPES
+from jaxrunner.kernels import cpu_isa
 from jaxrunner.kernels.names import ATTENTION_IMPL_CHOICES, CPU_MATMUL_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -303,32 +304,15 @@ def versions() -> dict:
     return out
 
 
-def _first_cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
-    """The ``key: value`` lines of the first processor in ``/proc/cpuinfo`` (empty where unreadable)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                cpuinfo = f.read(8192)
-        except OSError:
-            return {}
-    fields = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            break  # the first processor is enough
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
 def _cpu_model() -> str:
-    return _first_cpu_fields().get("model name") or platform.processor() or platform.machine()
+    return cpu_isa.first_cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_model_id(cpuinfo: str | None = None) -> str | None:
     """``family F model M`` from ``/proc/cpuinfo`` (x86), or None. Virtual machines often name every
     CPU "Intel(R) Xeon(R) Processor" with the same vector features; on two such Xeons here vLLM's
     same build served SmolLM2 1.6x apart, and only the model number told them apart."""
-    fields = _first_cpu_fields(cpuinfo)
+    fields = cpu_isa.first_cpu_fields(cpuinfo)
     if "cpu family" not in fields or "model" not in fields:
         return None
     return f"family {fields['cpu family']} model {fields['model']}"
